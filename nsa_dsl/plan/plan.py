@@ -1,0 +1,127 @@
+"""The plan: what code generation and the runtime need to know about a pattern.
+
+A `Plan` is independent of the sequence length: it is what generated kernels are specialised
+on (and what the on-disk cache is keyed by). The length-dependent part, the static block
+tables, is built per sequence length by `plan.tables.build_block_table` and passed to the
+kernels as arrays.
+
+Static branches are lowered to two things:
+  * `block_atoms`: the block-level atoms of the branch's key set, in a fixed order; bit i of a
+    table entry's `atom_bits` says whether atom i contains that (query block, key block) pair;
+  * `mask`: the branch's key set rewritten over token-level windows and those atom bits. A
+    kernel evaluates it only on tiles the table marks as partial; full tiles skip masking.
+Causality and sequence bounds are not part of `mask`: kernels always apply them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union as _U
+
+from ..dsl.model import BlockAtom, Gate, KeySet
+
+
+# ---- token-level mask expressions, evaluated inside kernels on partial tiles -------------
+@dataclass(frozen=True)
+class TokenWindow:
+    """k_pos in (q_pos - left, q_pos + right]."""
+
+    left: int
+    right: int
+
+
+@dataclass(frozen=True)
+class AtomBit:
+    """The tile's key block belongs to block atom `index` (bit `index` of atom_bits)."""
+
+    index: int
+
+
+@dataclass(frozen=True)
+class AnyOf:
+    parts: tuple[MaskExpr, ...]
+
+
+@dataclass(frozen=True)
+class AllOf:
+    parts: tuple[MaskExpr, ...]
+
+
+@dataclass(frozen=True)
+class Without:
+    left: MaskExpr
+    right: MaskExpr
+
+
+MaskExpr = _U[TokenWindow, AtomBit, AnyOf, AllOf, Without]
+
+
+# ---- branches ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StaticKeys:
+    """A static key set, lowered: the source expression, its block atoms and its token mask."""
+
+    keys: KeySet
+    block_atoms: tuple[BlockAtom, ...]
+    mask: MaskExpr
+
+
+@dataclass(frozen=True)
+class StaticBranch:
+    name: str
+    gate: Gate | None
+    static: StaticKeys
+
+
+@dataclass(frozen=True)
+class CompressBranch:
+    name: str
+    gate: Gate | None
+    block: int
+    stride: int
+    pool: str
+
+
+@dataclass(frozen=True)
+class TopKBranch:
+    name: str
+    gate: Gate | None
+    count: int
+    block: int
+    score: str  # name of the CompressBranch whose probabilities score the blocks
+    query_block: int  # 1 = per token; Q = one selection shared by Q consecutive queries
+    force: StaticKeys | None
+
+
+@dataclass(frozen=True)
+class SelectBranch:
+    """Per-token selection given by the caller: `block_indices [B,T,HKV,S]` of `block`-sized key
+    blocks and `block_counts`. Causal: token t sees key s iff s <= t and s // block is among
+    the first block_counts entries of t's row; out-of-range entries (< 0 or > t // block) are
+    ignored. This is ejkernel's `native_sparse_attention` with explicit indices."""
+
+    name: str
+    gate: Gate | None
+    block: int
+
+
+BranchPlan = _U[StaticBranch, CompressBranch, TopKBranch, SelectBranch]
+
+
+@dataclass(frozen=True)
+class Plan:
+    name: str
+    block_size: int
+    causal: bool
+    params: tuple[tuple[str, int | float | bool], ...]
+    branches: tuple[BranchPlan, ...]
+
+    @property
+    def gates(self) -> tuple[Gate, ...]:
+        return tuple(b.gate for b in self.branches if b.gate is not None)
+
+    def branch(self, name: str) -> BranchPlan:
+        for b in self.branches:
+            if b.name == name:
+                return b
+        raise KeyError(name)
