@@ -1,0 +1,219 @@
+"""Text to syntax tree: Lark's LALR parser over grammars/nsa.lark, then a Transformer that
+builds the typed nodes of `dsl.ast`. Lark's own errors become `NsaSyntaxError`s that quote
+the line, put a caret under the column and say in words what could have come there."""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+from lark import Lark, Token, Transformer_NonRecursive, v_args
+from lark.exceptions import UnexpectedCharacters, UnexpectedInput, UnexpectedToken, VisitError
+
+from ..errors import NsaError, NsaSyntaxError
+from ..resources import grammar_path
+from . import ast
+
+_INT_LIMIT = 2**63  # integer literals must be below it; larger ones mean nothing to any kernel
+
+_TERMINAL_WORDS = {"NAME": "a name", "INT": "an integer", "FLOAT": "a decimal number", "$END": "end of input"}
+
+
+@functools.cache
+def _lark() -> Lark:
+    return Lark(
+        grammar_path().read_text(encoding="utf-8"), parser="lalr", propagate_positions=True, maybe_placeholders=True
+    )
+
+
+def parse(text: str, *, file: str = "<string>") -> ast.Module:
+    """The syntax tree of `text`; raises NsaSyntaxError if it is not a `.nsa` module."""
+    try:
+        tree = _lark().parse(text)
+    except UnexpectedInput as err:
+        raise _syntax_error(err, text, file) from None
+    try:
+        patterns = _ToAst(file, text).transform(tree)
+    except VisitError as err:
+        if isinstance(err.orig_exc, NsaError):
+            raise err.orig_exc from None
+        raise
+    return ast.Module(file=file, source=text, patterns=patterns)
+
+
+# ---- parse tree -> ast ---------------------------------------------------------------------
+@v_args(meta=True)
+class _ToAst(Transformer_NonRecursive):
+    """Builds `dsl.ast` nodes bottom-up (without recursion, so deep expressions are safe)."""
+
+    def __init__(self, file: str, source: str) -> None:
+        super().__init__()
+        self._file = file
+        self._source = source
+
+    def start(self, meta, patterns):
+        return tuple(patterns)
+
+    def pattern(self, meta, children):
+        name, *statements = children
+        return ast.Pattern(_identifier(name), tuple(statements), meta.line, meta.column)
+
+    def param(self, meta, children):
+        name, value = children
+        return ast.Param(_identifier(name), value, meta.line, meta.column)
+
+    def block_size(self, meta, children):
+        return ast.BlockSize(children[0], meta.line, meta.column)
+
+    def causal(self, meta, children):
+        return ast.Masking(True, meta.line, meta.column)
+
+    def bidirectional(self, meta, children):
+        return ast.Masking(False, meta.line, meta.column)
+
+    def gate_decl(self, meta, children):
+        return ast.GateDecl(_identifier(children[0]), meta.line, meta.column)
+
+    def branch(self, meta, children):
+        name, value, *options = children
+        return ast.Branch(_identifier(name), value, tuple(options), meta.line, meta.column)
+
+    def gate_clause(self, meta, children):
+        name, default = children
+        return ast.GateClause(
+            _identifier(name), None if default is None else self._number(default), meta.line, meta.column
+        )
+
+    def per_token(self, meta, children):
+        return ast.PerToken(meta.line, meta.column)
+
+    def per_block(self, meta, children):
+        return ast.PerBlock(children[0], meta.line, meta.column)
+
+    def if_clause(self, meta, children):
+        return ast.IfClause(_identifier(children[0]), meta.line, meta.column)
+
+    # expressions
+    def int(self, meta, children):
+        return self._number(children[0])
+
+    def float(self, meta, children):
+        return self._number(children[0])
+
+    def _number(self, token: Token) -> ast.IntLiteral | ast.FloatLiteral:
+        if token.type == "FLOAT":
+            return ast.FloatLiteral(float(token.value), token.line, token.column)
+        digits = token.value.lstrip("0")
+        if len(digits) > len(str(_INT_LIMIT)) or int(token.value) >= _INT_LIMIT:
+            raise NsaSyntaxError(
+                "integer literal too large",
+                file=self._file,
+                line=token.line,
+                column=token.column,
+                source_line=source_line(self._source, token.line),
+                hint="integers must be below 2**63",
+            )
+        return ast.IntLiteral(int(token.value), token.line, token.column)
+
+    def true(self, meta, children):
+        return ast.BoolLiteral(True, children[0].line, children[0].column)
+
+    def false(self, meta, children):
+        return ast.BoolLiteral(False, children[0].line, children[0].column)
+
+    def name(self, meta, children):
+        (token,) = children
+        return ast.Name(token.value, token.line, token.column)
+
+    def call(self, meta, children):
+        function, arguments = children
+        return ast.Call(function.value, arguments or (), function.line, function.column)
+
+    def arguments(self, meta, children):
+        return tuple(
+            child if isinstance(child, ast.Argument) else ast.Argument(None, child, child.line, child.column)
+            for child in children
+        )
+
+    def keyword_argument(self, meta, children):
+        keyword, value = children
+        return ast.Argument(keyword.value, value, keyword.line, keyword.column)
+
+    def binary(self, meta, children):
+        left, operator, right = children
+        return ast.Binary(operator.value, left, right, operator.line, operator.column)
+
+    def negate(self, meta, children):
+        operator, operand = children
+        return ast.Negate(operand, operator.line, operator.column)
+
+
+def _identifier(token: Token) -> ast.Identifier:
+    return ast.Identifier(token.value, token.line, token.column)
+
+
+# ---- Lark errors -> NsaSyntaxError ---------------------------------------------------------
+def _syntax_error(err: UnexpectedInput, text: str, file: str) -> NsaSyntaxError:
+    if isinstance(err, UnexpectedCharacters):
+        message = f"unexpected character {err.char!r}"
+        line, column = err.line, err.column
+    elif isinstance(err, UnexpectedToken) and err.token.type != "$END":
+        token = err.token
+        message = f"unexpected {_describe_token(token)}"
+        line, column = token.line, token.column
+    else:  # UnexpectedToken at $END, or UnexpectedEOF
+        message = "unexpected end of input"
+        line, column = _end_position(text)
+    # Lark's own `expected` sets are LALR's merged lookaheads, which can list terminals that
+    # would fail one reduction later; accepts() tries each one from the failing state.
+    words = _expected_words(err.interactive_parser.accepts())
+    hint = ("expected " + (words[0] if len(words) == 1 else "one of: " + ", ".join(words))) if words else None
+    return NsaSyntaxError(message, file=file, line=line, column=column, source_line=source_line(text, line), hint=hint)
+
+
+def _describe_token(token: Token) -> str:
+    kind = {"NAME": "name ", "INT": "integer ", "FLOAT": "number "}.get(token.type, "")
+    return f"{kind}'{token.value}'"
+
+
+def _expected_words(terminal_names) -> list[str]:
+    """Readable words for Lark's terminal names: RPAR -> "')'", NAME -> "a name"."""
+    words = sorted(_TERMINAL_WORDS[name] for name in terminal_names if name in _TERMINAL_WORDS)
+    # every other terminal is a literal string: a keyword or punctuation
+    literals = sorted(
+        f"'{_lark().get_terminal(name).pattern.value}'" for name in terminal_names if name not in _TERMINAL_WORDS
+    )
+    return words + literals
+
+
+def _end_position(text: str) -> tuple[int, int]:
+    """Line and column just after the last non-blank, non-comment character of `text`."""
+    lines = text.split("\n")
+    for index in range(len(lines) - 1, -1, -1):
+        content = lines[index].split("#", 1)[0].rstrip(" \t\f\r")
+        if content:
+            return index + 1, len(content) + 1
+    return 1, 1
+
+
+def source_line(text: str, line: int) -> str | None:
+    """Line `line` (1-based) of `text`, as Lark counts lines (by '\\n' only)."""
+    lines = text.split("\n")
+    return lines[line - 1].rstrip("\r") if 1 <= line <= len(lines) else None
+
+
+def read(source: str | os.PathLike, *, file: str | None = None) -> ast.Module:
+    """Parse a `.nsa` file (a PathLike, or a one-line str ending in ".nsa") or `.nsa` text.
+    `file` names the source in error messages (default: the path, or "<string>")."""
+    if isinstance(source, os.PathLike) or (isinstance(source, str) and source.endswith(".nsa") and "\n" not in source):
+        path = Path(source)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+            raise NsaError(f"cannot read {str(path)!r}: {reason}", file=file or str(path)) from None
+        return parse(text, file=file or str(path))
+    if isinstance(source, str):
+        return parse(source, file=file or "<string>")
+    raise TypeError(f"source must be .nsa text or a path to a .nsa file, got {type(source).__name__}")
