@@ -37,6 +37,8 @@ def is_identifier(text: str) -> bool:
 
 
 def _safe(value: object) -> str:
+    if isinstance(value, jinja2.Undefined):
+        str(value)  # StrictUndefined raises UndefinedError naming the missing variable
     if isinstance(value, Code):
         return str(value)
     if isinstance(value, bool):

@@ -1,0 +1,235 @@
+"""`nsa-compile`: modules written, summary figures, and errors located without a traceback."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nsa_dsl import cli, codegen, dsl
+from nsa_dsl.codegen import cache
+from nsa_dsl.plan import lower
+from nsa_dsl.runtime import check_supported
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = sorted((ROOT / "examples").glob("*.nsa"))
+
+TWO_PATTERNS = """\
+# two patterns for the CLI tests
+pattern sliding
+param window = 128
+block 64
+causal
+branch main = window(window)
+
+pattern strided
+block 32
+bidirectional
+branch main = local(2) | stride(every=4) gate g_slc
+"""
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NSA_DSL_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.fixture
+def source_file(tmp_path: Path) -> Path:
+    path = tmp_path / "two.nsa"
+    path.write_text(TWO_PATTERNS)
+    return path
+
+
+def run_cli(*args: str | Path, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """nsa-compile in a fresh interpreter, as a user runs it."""
+    paths = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+    command = [sys.executable, "-m", "nsa_dsl.cli", *map(str, args)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=cwd)
+
+
+def test_writes_one_module_per_pattern_and_prints_the_summary(source_file: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "out"
+    assert cli.main([str(source_file), "-o", str(out), "--seq-len", "1024"]) == 0
+    printed = capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir()) == ["sliding_xla.py", "strided_xla.py"]
+    for name in ("sliding", "strided"):
+        plan = lower(dsl.load_pattern(source_file, name=name))
+        assert (out / f"{name}_xla.py").read_text() == codegen.source("xla", plan)
+        assert f"(cached at {cache.cache_path('xla', plan)})" in printed
+    # Figures derived by hand. sliding, T=1024, block 64: 16 query blocks; window(128) reaches
+    # the two previous key blocks: rows see 1, 2, then 3 blocks (45 of the 136 causal tiles);
+    # the tile just below the diagonal is full, the diagonal and the one two below are partial.
+    assert "pattern sliding: block 64, causal, params window=128" in printed
+    assert "branch main (no gate): static window(128)" in printed
+    assert "2.8 key blocks per query row (max 3), density 33.09% of causal tiles, 33% of visited tiles full" in printed
+    # strided, block 32, bidirectional: 32 x 32 tiles; every row sees the 8 multiples of 4 plus
+    # those of {qb - 1, qb} that are not: 303 tiles, all full (no token window to mask).
+    assert "branch main (gate g_slc): static local(2) | stride(every=4)" in printed
+    assert "9.5 key blocks per query row (max 10), density 29.59% of all tiles, 100% of visited tiles full" in printed
+
+
+def test_written_module_imports_and_holds_the_plan(source_file: Path, tmp_path: Path) -> None:
+    assert cli.main([str(source_file), "-o", str(tmp_path), "--pattern", "sliding"]) == 0
+    spec = importlib.util.spec_from_file_location("sliding_xla", tmp_path / "sliding_xla.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.PLAN == lower(dsl.load_pattern(source_file, name="sliding"))
+
+
+def test_define_overrides_a_param(source_file: Path, tmp_path: Path, capsys) -> None:
+    assert (
+        cli.main(
+            [str(source_file), "-D", "window=256", "--pattern", "sliding", "-o", str(tmp_path), "--seq-len", "1024"]
+        )
+        == 0
+    )
+    printed = capsys.readouterr().out
+    # window(256) reaches four previous blocks: rows see 1, 2, 3, 4, then 5 (70 of 136 tiles);
+    # up to three tiles per row below the diagonal are full (0+1+2+3*13 = 42).
+    assert "params window=256" in printed
+    assert "4.4 key blocks per query row (max 5), density 51.47% of causal tiles, 60% of visited tiles full" in printed
+    assert [p.name for p in tmp_path.glob("*_xla.py")] == ["sliding_xla.py"]
+    assert "window = 256" in (tmp_path / "sliding_xla.py").read_text()
+
+
+def test_show_plan_prints_the_lowered_branches(source_file: Path, tmp_path: Path, capsys) -> None:
+    assert cli.main([str(source_file), "--pattern", "strided", "--show-plan", "-o", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert (
+        "    atom0 = local(2)\n    atom1 = stride(every=4)\n    token mask on partial tiles: atom0 | atom1\n" in printed
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--pattern", "strided_"], "NsaSemanticError: no pattern named 'strided_'\n  hint: did you mean 'strided'?"),
+        (
+            ["-D", "windw=64"],
+            "NsaSemanticError: override 'windw' names no param of any pattern\n  hint: did you mean 'window'?",
+        ),
+        (["-D", "window=wide"], ":3:7: NsaSemanticError: override window='wide' does not fit"),
+    ],
+)
+def test_bad_arguments_about_the_file_exit_1(source_file: Path, tmp_path: Path, capsys, args, message) -> None:
+    assert cli.main([str(source_file), "-o", str(tmp_path / "out"), *args]) == 1
+    captured = capsys.readouterr()
+    assert f"{source_file}" in captured.err and message in captured.err
+    assert captured.out == "" and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["-D", "window"], ["-D", "=3"], ["-D", "1x=3"], ["--seq-len", "0"], ["--platform", "cuda"], ["--platform", ","]],
+)
+def test_usage_errors_exit_2(source_file: Path, args: list[str], capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([str(source_file), *args])
+    assert exit_info.value.code == 2
+    assert "usage: nsa-compile" in capsys.readouterr().err
+
+
+def test_platform_without_templates_is_a_usage_error(source_file: Path, tmp_path: Path, monkeypatch, capsys) -> None:
+    platform = importlib.import_module("nsa_dsl.runtime.platform")
+    monkeypatch.setattr(platform, "templates_dir", lambda: tmp_path / "no_templates")
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([str(source_file), "--platform", "xla", "-o", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    assert "platform 'xla' has no code generator yet" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_unwritable_output_exits_1(source_file: Path, capsys) -> None:
+    assert cli.main([str(source_file), "-o", str(source_file)]) == 1
+    assert capsys.readouterr().err == f"nsa-compile: File exists: {source_file}\n"
+
+
+BAD_SOURCES = {
+    "syntax": ("pattern p\nblock 64\ncausal\nbranch main = window(128 | local(2)\n", "4:36: NsaSyntaxError"),
+    "unknown name": (
+        "pattern p\nparam window = 128\nblock 64\nbranch main = window(windw)\n",
+        "4:22: NsaSemanticError: unknown name 'windw'",
+    ),
+    "block size": ("pattern p\nblock 48\ncausal\nbranch main = local(2)\n", "2:7: NsaSemanticError"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_SOURCES)
+def test_bad_source_exits_1_with_located_error(case: str, tmp_path: Path, capsys) -> None:
+    text, located = BAD_SOURCES[case]
+    path = tmp_path / "bad.nsa"
+    path.write_text(text)
+    assert cli.main([str(path), "-o", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"{path}:{located}") and "^" in err
+
+
+def test_subprocess_bad_source_prints_no_traceback(tmp_path: Path) -> None:
+    path = tmp_path / "bad.nsa"
+    path.write_text(BAD_SOURCES["syntax"][0])
+    result = run_cli(path, "-o", tmp_path / "out")
+    assert result.returncode == 1
+    assert result.stderr.startswith(f"{path}:4:36: NsaSyntaxError") and "Traceback" not in result.stderr
+    assert result.stdout == ""
+
+
+def test_subprocess_missing_file_exits_1(tmp_path: Path) -> None:
+    missing = tmp_path / "missing.nsa"
+    result = run_cli(missing)
+    assert result.returncode == 1
+    assert str(missing) in result.stderr and "No such file or directory" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_subprocess_bad_define_exits_2(source_file: Path) -> None:
+    result = run_cli(source_file, "-D", "window")
+    assert result.returncode == 2
+    assert "expected name=value, got 'window'" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_subprocess_compiles_an_example_from_another_directory(tmp_path: Path) -> None:
+    result = run_cli(ROOT / "examples" / "longformer.nsa", "-o", "out", "-D", "window=1024", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "pattern longformer: block 64, causal, params window=1024" in result.stdout
+    assert (tmp_path / "out" / "longformer_xla.py").is_file()
+
+
+def test_examples_are_present() -> None:
+    names = {path.stem for path in EXAMPLES}
+    assert {"sliding_window", "strided", "longformer", "bigbird", "nsa", "documents"} <= names
+
+
+def xla_supports(plan) -> bool:
+    try:
+        check_supported(plan, "xla")
+    except NotImplementedError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=[path.stem for path in EXAMPLES])
+def test_every_example_compiles_where_the_backend_supports_it(example: Path, tmp_path: Path, capsys) -> None:
+    plans = [lower(pattern) for pattern in dsl.load(example)]
+    supported = [plan.name for plan in plans if xla_supports(plan)]
+    expected_exit = 0 if len(supported) == len(plans) else 1
+    assert cli.main([str(example), "-o", str(tmp_path), "--seq-len", "2048", "--show-plan"]) == expected_exit
+    captured = capsys.readouterr()
+    assert sorted(p.name for p in tmp_path.glob("*.py")) == sorted(f"{name}_xla.py" for name in supported)
+    for plan in plans:
+        assert f"pattern {plan.name}:" in captured.out
+        if plan.name not in supported:
+            assert "nsa-compile: not generated: " in captured.err and repr(plan.name) in captured.err
+
+
+def test_check_runs_the_kernels_against_the_reference(source_file: Path, tmp_path: Path, capsys) -> None:
+    assert cli.main([str(source_file), "--check", "--seq-len", "200", "-o", str(tmp_path)]) == 0
+    checks = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  check xla: ")]
+    assert len(checks) == 2
+    assert all(line.startswith("  check xla: ok: max relative error") and "at T=200" in line for line in checks)

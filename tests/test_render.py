@@ -1,0 +1,144 @@
+"""The injection guard: only validated identifiers and numbers reach generated source."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import jinja2
+import pytest
+
+from nsa_dsl import dsl
+from nsa_dsl.codegen import UnsafeTemplateValue, cache, plan_literal
+from nsa_dsl.dsl import model
+from nsa_dsl.errors import NsaSemanticError, NsaSyntaxError
+from nsa_dsl.plan import plan
+
+render_module = importlib.import_module("nsa_dsl.codegen.render")  # the attribute is the render function
+
+HOSTILE = [
+    'x"""; import os; os.system("echo pwned") #',
+    "__import__('os').system('echo pwned')",
+    "a\nimport os",
+    "name with spaces",
+    "1abc",
+    "import",  # a keyword is no identifier
+    "",
+]
+
+
+def make_plan(name: str = "demo", params: tuple = (("w", 8),), window: int = 8) -> plan.Plan:
+    keys = plan.StaticKeys(keys=model.Window(window, 0), block_atoms=(), mask=plan.TokenWindow(window, 0))
+    return plan.Plan(
+        name=name,
+        block_size=64,
+        causal=True,
+        params=params,
+        branches=(plan.StaticBranch(name="main", gate=model.Gate("g_swa", 1.0), static=keys),),
+    )
+
+
+@pytest.fixture
+def template(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., str]]:
+    """Yields `write(text, backend="t")`: saves `text` as `<backend>/module.py.j2` of a private
+    templates folder (with a private cache) and returns the template's name."""
+    monkeypatch.setattr(render_module, "templates_dir", lambda: tmp_path)
+    monkeypatch.setenv("NSA_DSL_CACHE_DIR", str(tmp_path / "cache"))
+    render_module.environment.cache_clear()
+
+    def write(text: str, backend: str = "t") -> str:
+        path = tmp_path / backend / "module.py.j2"
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text)
+        return f"{backend}/module.py.j2"
+
+    yield write
+    render_module.environment.cache_clear()
+
+
+@pytest.mark.parametrize("hostile", HOSTILE)
+def test_render_refuses_a_string_that_is_not_an_identifier(template, hostile: str) -> None:
+    name = template("NAME = {{ value }}\n")
+    with pytest.raises(UnsafeTemplateValue):
+        render_module.render(name, value=hostile)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -math.inf, {"a": 1}, [1, 2], b"raw", None, object()])
+def test_render_refuses_values_that_are_not_numbers_or_identifiers(template, value: object) -> None:
+    name = template("X = {{ value }}\n")
+    with pytest.raises(UnsafeTemplateValue):
+        render_module.render(name, value=value)
+
+
+def test_render_admits_identifiers_and_numbers(template) -> None:
+    name = template("{{ a }} = {{ b }} + {{ c }} * {{ d }}\n")
+    assert render_module.render(name, a="scale_0", b=3, c=0.125, d=True) == "scale_0 = 3 + 0.125 * True\n"
+
+
+@pytest.mark.parametrize(
+    "use", ["{{ absent }}", "{{ absent.size }}", "{% if absent %}1{% endif %}", "{% for x in absent %}{% endfor %}"]
+)
+def test_missing_context_variable_raises(template, use: str) -> None:
+    name = template("X = {{ present }}\n" + use + "\n")
+    with pytest.raises(jinja2.UndefinedError, match="absent"):
+        render_module.render(name, present=1)
+
+
+def test_plan_literal_rebuilds_the_plan() -> None:
+    p = make_plan(params=(("w", 8), ("scale", 0.5), ("causal_ok", True)))
+    assert eval(plan_literal(p), {"model": model, "plan": plan}) == p
+
+
+@pytest.mark.parametrize("hostile", HOSTILE)
+def test_plan_literal_refuses_hostile_names(hostile: str) -> None:
+    for p in (make_plan(name=hostile), make_plan(params=((hostile, 8),))):
+        with pytest.raises(UnsafeTemplateValue):
+            plan_literal(p)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -math.inf])
+def test_plan_literal_refuses_non_finite_floats(value: float) -> None:
+    with pytest.raises(UnsafeTemplateValue):
+        plan_literal(make_plan(params=(("w", value),)))
+
+
+def test_plan_literal_refuses_values_outside_a_plan() -> None:
+    @dataclasses.dataclass(frozen=True)
+    class Intruder:
+        code: int = 1
+
+    for value in (Intruder(), make_plan(params=(("w", "os.system('x')"),)), [1, 2], {"w": 1}, b"x", Intruder):
+        with pytest.raises(UnsafeTemplateValue):
+            plan_literal(value)
+
+
+def test_hostile_pattern_name_cannot_reach_generated_source(template, tmp_path: Path) -> None:
+    template('"""Pattern {{ plan.name }}."""\nPLAN = {{ plan | literal }}\n', backend="xla")
+    hostile = make_plan(name=HOSTILE[0])
+    for attempt in (
+        lambda: render_module.render("xla/module.py.j2", plan=hostile),
+        lambda: cache.source("xla", hostile),
+        lambda: cache.load_module("xla", hostile),
+    ):
+        with pytest.raises(UnsafeTemplateValue):
+            attempt()
+    assert not (tmp_path / "cache").exists() or not any(p.is_file() for p in (tmp_path / "cache").rglob("*"))
+
+
+HOSTILE_NSA = 'pattern x"""; import os; os.system("echo pwned") #\nblock 64\ncausal\nbranch main = local(1)\n'
+
+
+def test_hostile_pattern_name_in_nsa_text_is_a_syntax_error() -> None:
+    with pytest.raises(NsaSyntaxError) as error:
+        dsl.load_pattern(HOSTILE_NSA)
+    assert (error.value.line, error.value.column) == (1, 10)
+
+
+@pytest.mark.parametrize("overrides", [{"w": "os.system('echo pwned')"}, {"w": 'x"""'}, {"__import__('os')": 1}])
+def test_hostile_override_is_a_semantic_error(overrides: dict[str, object]) -> None:
+    text = "pattern p\nparam w = 8\nblock 64\ncausal\nbranch main = window(w)\n"
+    with pytest.raises(NsaSemanticError):
+        dsl.load_pattern(text, overrides=overrides)
