@@ -360,6 +360,13 @@ SEMANTIC = [
         None,
     ),
     (
+        CMP + "branch b = topk(4, score=cmp) per block(128)",
+        "per block(128) must not exceed the pattern's block size (64)",
+        4,
+        41,
+        None,
+    ),
+    (
         HEAD + "branch a = local(1) gate g_slc\nbranch b = local(2) gate g_slc default 1",
         "gate 'g_slc' has default 1.0 here but none on branch 'a'",
         4,

@@ -538,6 +538,11 @@ class _PatternChecker:
                     per, f"`per block(...)` sets a topk branch's selection granularity; '{name}' is a {kind} branch"
                 )
             query_block = self.block_size_value(per.size, "per block size", minimum=1, scope=_Scope())
+            if query_block > self.block_size:
+                # Kernels tile queries by the pattern's block; a selection group must fit in a tile.
+                raise self.error(
+                    per.size, f"per block({query_block}) must not exceed the pattern's block size ({self.block_size})"
+                )
         if condition is not None:
             self.check_condition(condition)
         gate = None if gate_clause is None else self.gate(gate_clause)
