@@ -1,0 +1,25 @@
+"""nsa_dsl: a sparse-attention kernel compiler for JAX.
+
+    import nsa_dsl
+    attention = nsa_dsl.compile("examples/longformer.nsa", window=256)
+    out = attention(q, k, v)                                   # [B, T, HQ, D]
+    out = nsa_dsl.native_sparse_attention(q, k, v, None, g_slc, block_indices)  # ejkernel's API
+"""
+
+from ._version import __version__
+from .api import SparseAttention, compile, native_sparse_attention
+from .codegen import UnsafeTemplateValue
+from .config import NativeSparseAttentionConfig
+from .errors import NsaError, NsaSemanticError, NsaSyntaxError
+
+__all__ = [
+    "NativeSparseAttentionConfig",
+    "NsaError",
+    "NsaSemanticError",
+    "NsaSyntaxError",
+    "SparseAttention",
+    "UnsafeTemplateValue",
+    "__version__",
+    "compile",
+    "native_sparse_attention",
+]

@@ -1,0 +1,144 @@
+"""The public API: ejkernel's `native_sparse_attention`, and `compile` for `.nsa` patterns."""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+from . import codegen, dsl
+from .config import NativeSparseAttentionConfig
+from .dsl import model
+from .plan import lower
+from .plan import plan as p
+from .runtime import attend, check_supported, resolve_platform
+from .runtime.check import CheckReport, check_pattern
+
+__all__ = ["CheckReport", "SparseAttention", "check_pattern", "compile", "native_sparse_attention", "selection_plan"]
+
+
+@functools.lru_cache(maxsize=None)
+def selection_plan(block_size: int) -> p.Plan:
+    """The built-in plan of `native_sparse_attention` with explicit indices: one causal branch
+    reading the caller's `block_indices`, gated by g_slc (weight 1 when not given)."""
+    branch = p.SelectBranch(name="slc", gate=model.Gate("g_slc", 1.0), block=block_size)
+    return p.Plan(name="native_sparse_attention", block_size=block_size, causal=True, params=(), branches=(branch,))
+
+
+def native_sparse_attention(
+    query,
+    key,
+    value,
+    g_cmp=None,
+    g_slc=None,
+    block_indices=None,
+    block_counts=16,
+    cu_seqlens=None,
+    /,
+    *,
+    softmax_scale=None,
+    platform: str | None = None,
+    cfg: NativeSparseAttentionConfig | None = None,
+):
+    """ejkernel's `native_sparse_attention`.
+
+    query [B, T, HQ, D], key/value [B, T, HKV, D] (HQ a multiple of HKV); gates [B, T, HQ].
+    With `block_indices` [B, T, HKV, S] (or ejkernel's per-query-block [B, HKV, ceil(T / block), S]),
+    token t attends key s of its own sequence iff s <= t and s's block (of cfg.block_size
+    tokens) is among the first `block_counts` (int, [B, T, HKV] or [B, HKV, num_blocks])
+    entries of t's row; out-of-range entries are ignored. With `cu_seqlens` [N + 1] (B == 1)
+    positions and block ids count from the start of t's own sequence. Returns
+    o_slc * g_slc (o_slc if g_slc is None) in query's dtype; softmax_scale defaults to
+    1/sqrt(D) and may be traced.
+    """
+    cfg = cfg if cfg is not None else NativeSparseAttentionConfig()
+    if g_cmp is not None:
+        # Compression + on-device top-k selection (o = g_slc * o_slc + g_cmp * o_cmp) is the
+        # next phase's plan; it will be dispatched from here.
+        raise NotImplementedError(
+            "native_sparse_attention with g_cmp (compressed attention and top-k block selection) "
+            "is not available yet; pass g_cmp=None and explicit block_indices"
+        )
+    if block_indices is None:
+        raise ValueError("block_indices is required when g_cmp is None: pass [B, T, HKV, S] key-block ids")
+    return attend(
+        selection_plan(cfg.block_size),
+        query,
+        key,
+        value,
+        gates={"g_slc": g_slc},
+        cu_seqlens=cu_seqlens,
+        softmax_scale=softmax_scale,
+        block_indices=block_indices,
+        block_counts=block_counts,
+        platform=platform,
+        config=cfg,
+    )
+
+
+@dataclass(frozen=True)
+class SparseAttention:
+    """A compiled pattern: call it like an attention function.
+
+    `plan` is what kernels are generated from; `source(platform)` is the generated module.
+    """
+
+    pattern: model.Pattern
+    plan: p.Plan
+    config: NativeSparseAttentionConfig | None = None
+
+    def source(self, platform: str = "xla") -> str:
+        platform = resolve_platform(platform, self.config)
+        check_supported(self.plan, platform)
+        return codegen.source(platform, self.plan, self.config)
+
+    def __call__(
+        self,
+        query,
+        key,
+        value,
+        *,
+        g_cmp=None,
+        g_slc=None,
+        g_swa=None,
+        cu_seqlens=None,
+        softmax_scale=None,
+        platform: str | None = None,
+        block_indices=None,
+        block_counts=None,
+        **extra_gates,
+    ):
+        """Sparse attention of this pattern. Gates ([B, T, HQ]) are passed by the names the
+        pattern declares (g_cmp, g_slc, g_swa or its own); a branch whose gate is not passed
+        weighs its declared default, or is skipped if it has none."""
+        gates = {"g_cmp": g_cmp, "g_slc": g_slc, "g_swa": g_swa, **extra_gates}
+        return attend(
+            self.plan,
+            query,
+            key,
+            value,
+            gates=gates,
+            cu_seqlens=cu_seqlens,
+            softmax_scale=softmax_scale,
+            block_indices=block_indices,
+            block_counts=block_counts,
+            platform=platform,
+            config=self.config,
+        )
+
+
+def compile(
+    path_or_source: str | os.PathLike,
+    *,
+    pattern: str | None = None,
+    config: NativeSparseAttentionConfig | None = None,
+    **params,
+) -> SparseAttention:
+    """Compile a `.nsa` pattern (a file path or the text itself) into a SparseAttention.
+
+    `pattern` picks one pattern of a file that declares several; `params` override the
+    pattern's params (nsa_dsl.compile("longformer.nsa", window=1024)). Raises NsaSyntaxError or
+    NsaSemanticError, located in the source, for bad text.
+    """
+    checked = dsl.load_pattern(path_or_source, name=pattern, overrides=params)
+    return SparseAttention(checked, lower(checked), config)

@@ -1,0 +1,127 @@
+"""`nsa-compile --check`: a generated kernel against a dense float64 reference on random data.
+
+The reference (`reference_output`) is written from the language's semantics, not from kernel
+code: the pattern oracle's token mask (static branches) or the explicit selection rule (select
+branches), dense softmax attention over it in numpy float64, branches summed with their gates.
+It is quadratic in T: for checks and examples at small lengths. The test suite keeps its own,
+separate reference (tests/reference.py).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..plan import oracle
+from ..plan import plan as p
+from .dispatch import attend, check_supported
+
+# The dense reference is quadratic: longer requests are checked at this length.
+MAX_CHECK_LEN = 1024
+_BATCH, _HEADS_Q, _HEADS_KV, _HEAD_DIM = 1, 4, 2, 64
+
+
+@dataclass(frozen=True)
+class CheckReport:
+    ok: bool
+    seq_len: int
+    max_error: float | None = None  # max |kernel - reference| / max |reference|
+    seconds_per_call: float | None = None
+    reason: str = ""
+
+    def __str__(self) -> str:
+        if self.max_error is None:
+            return f"not checked: {self.reason}"
+        verdict = "ok" if self.ok else "FAILED"
+        return (
+            f"{verdict}: max relative error {self.max_error:.2e} against the float64 reference at T={self.seq_len} "
+            f"(B={_BATCH}, HQ={_HEADS_Q}, HKV={_HEADS_KV}, D={_HEAD_DIM}, float32), "
+            f"{self.seconds_per_call * 1e3:.1f} ms per call"
+        )
+
+
+def selection_mask(indices: np.ndarray, counts: np.ndarray, block: int) -> np.ndarray:
+    """[B, HKV, T, T]: query t sees key s <= t iff s's block is among its first counts entries."""
+    batch, seq_len, heads_kv, width = indices.shape
+    num_blocks = -(-seq_len // block)
+    t = np.arange(seq_len)
+    used = (np.arange(width) < counts[..., None]) & (indices >= 0) & (indices <= (t // block)[None, :, None, None])
+    chosen = np.zeros((batch, seq_len, heads_kv, num_blocks + 1), dtype=bool)
+    np.put_along_axis(chosen, np.where(used, indices, num_blocks), True, axis=-1)
+    mask = chosen[..., t // block] & (t[None, :] <= t[:, None])[None, :, None, :]  # [B, T(query), HKV, T(key)]
+    return mask.transpose(0, 2, 1, 3)
+
+
+def dense_attention(q, k, v, mask, scale) -> np.ndarray:
+    """Softmax attention over an explicit mask [B, HKV or 1, T, T], in float64; rows that see
+    nothing give zeros."""
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    group = q.shape[2] // k.shape[2]
+    mask = np.repeat(mask, group, axis=1) if mask.shape[1] > 1 else mask
+    logits = np.einsum("bthd,bshd->bhts", q, np.repeat(k, group, axis=2)) * scale
+    logits = np.where(mask, logits, -np.inf)
+    row_max = logits.max(axis=-1, keepdims=True)
+    weights = np.exp(logits - np.where(np.isfinite(row_max), row_max, 0.0))
+    total = weights.sum(axis=-1, keepdims=True)
+    return np.einsum("bhts,bshd->bthd", weights / np.where(total > 0, total, 1.0), np.repeat(v, group, axis=2))
+
+
+def reference_output(plan: p.Plan, q, k, v, *, gates=None, softmax_scale=None, block_indices=None, block_counts=None) -> np.ndarray:
+    """The plan's attention in float64 on one sequence per batch row (small T: it is dense).
+    Gates as for the kernels: a passed gate weighs its branch, an absent one its default, and a
+    branch with neither is skipped."""
+    gates = gates or {}
+    scale = 1.0 / np.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    seq_len = q.shape[1]
+    out = np.zeros(q.shape)
+    for branch in plan.branches:
+        if branch.gate is None:
+            weight = 1.0
+        elif branch.gate.name in gates:
+            weight = np.asarray(gates[branch.gate.name], dtype=np.float64)[..., None]
+        elif branch.gate.default is not None:
+            weight = branch.gate.default
+        else:
+            continue
+        if isinstance(branch, p.StaticBranch):
+            mask = oracle.token_mask(branch.static, plan.block_size, plan.causal, seq_len)[None, None]
+        elif isinstance(branch, p.SelectBranch):
+            counts = np.broadcast_to(np.asarray(block_counts), np.shape(block_indices)[:3])
+            mask = selection_mask(np.asarray(block_indices), counts, branch.block)
+        else:
+            raise NotImplementedError(f"no dense reference for {type(branch).__name__} branches")
+        out += weight * dense_attention(q, k, v, mask, scale)
+    return out
+
+
+def check_pattern(plan: p.Plan, seq_len: int, *, platform: str = "xla", tolerance: float = 1e-4, seed: int = 0) -> CheckReport:
+    try:
+        check_supported(plan, platform)
+    except NotImplementedError as err:
+        return CheckReport(False, seq_len, reason=str(err))
+    seq_len = min(seq_len, MAX_CHECK_LEN)
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((_BATCH, seq_len, _HEADS_Q, _HEAD_DIM)).astype(np.float32)
+    k, v = (rng.standard_normal((_BATCH, seq_len, _HEADS_KV, _HEAD_DIM)).astype(np.float32) for _ in range(2))
+    gates = {gate.name: rng.uniform(0.5, 1.5, (_BATCH, seq_len, _HEADS_Q)).astype(np.float32) for gate in plan.gates}
+    selection = {}
+    for branch in plan.branches:
+        if isinstance(branch, p.SelectBranch):
+            num_blocks = -(-seq_len // branch.block)
+            selection = {
+                "block_indices": rng.integers(-1, num_blocks, (_BATCH, seq_len, _HEADS_KV, 4)).astype(np.int32),
+                "block_counts": rng.integers(0, 5, (_BATCH, seq_len, _HEADS_KV)).astype(np.int32),
+            }
+
+    run = lambda: attend(plan, q, k, v, gates=gates, platform=platform, **selection)  # noqa: E731
+    out = np.asarray(run().block_until_ready())
+    start, calls = time.perf_counter(), 3
+    for _ in range(calls):
+        run().block_until_ready()
+    seconds = (time.perf_counter() - start) / calls
+
+    expected = reference_output(plan, q, k, v, gates=gates, **selection)
+    error = float(np.abs(out - expected).max() / max(np.abs(expected).max(), 1e-30))
+    return CheckReport(error <= tolerance, seq_len, error, seconds)

@@ -1,0 +1,90 @@
+"""Running a plan: validate the inputs, build the host tables, call the generated kernel."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+
+import jax
+import numpy as np
+
+from .. import codegen
+from ..config import NativeSparseAttentionConfig
+from ..plan import build_block_table
+from ..plan import plan as p
+from . import validate
+from .platform import resolve_platform
+
+# Branch kinds each platform's templates implement.
+_KERNELS = {"xla": (p.StaticBranch, p.SelectBranch), "triton": (p.SelectBranch,)}
+
+
+def check_supported(plan: p.Plan, platform: str) -> None:
+    """Raise NotImplementedError if `platform` has no kernel for one of the plan's branches."""
+    kinds = _KERNELS.get(platform, ())
+    for branch in plan.branches:
+        if not isinstance(branch, kinds):
+            raise NotImplementedError(
+                f"the {platform} backend has no kernel for {type(branch).__name__} branches "
+                f"(branch {branch.name!r} of pattern {plan.name!r})"
+            )
+
+
+@functools.lru_cache(maxsize=64)
+def block_table(static: p.StaticKeys, block_size: int, causal: bool, seq_len: int) -> tuple[np.ndarray, ...]:
+    """(indices, counts, full, atom_bits) of a static key set's table, built once per length."""
+    table = build_block_table(static, block_size, causal, seq_len)
+    return table.indices, table.counts, table.full, table.atom_bits
+
+
+@functools.lru_cache(maxsize=None)
+def kernel(platform: str, plan: p.Plan, config: NativeSparseAttentionConfig | None) -> Callable:
+    """The generated module's jitted `attention` for (platform, plan, config)."""
+    check_supported(plan, platform)
+    return jax.jit(codegen.load_module(platform, plan, config).attention)
+
+
+def attend(
+    plan: p.Plan,
+    query,
+    key,
+    value,
+    *,
+    gates: Mapping[str, object] | None = None,
+    cu_seqlens=None,
+    softmax_scale=None,
+    block_indices=None,
+    block_counts=None,
+    platform: str | None = None,
+    config: NativeSparseAttentionConfig | None = None,
+):
+    """Sparse attention of `plan` on [B, T, H, D] inputs; see the generated module's contract."""
+    query, key, value, shapes = validate.attention_inputs(query, key, value)
+    declared = tuple(dict.fromkeys(gate.name for gate in plan.gates))
+    given = validate.gates(gates or {}, declared, plan.name, shapes)
+    cu = validate.cu_seqlens(cu_seqlens, shapes)
+    scale = validate.softmax_scale(softmax_scale, shapes)
+    selections = [b for b in plan.branches if isinstance(b, p.SelectBranch)]
+    if selections:
+        block_indices, block_counts = validate.selection(block_indices, block_counts, shapes, selections[0].block, cu)
+    else:
+        for name, given_value in (("block_indices", block_indices), ("block_counts", block_counts)):
+            if given_value is not None:
+                raise ValueError(f"{name}: pattern {plan.name!r} has no branch that selects key blocks explicitly")
+    platform = resolve_platform(platform, config)
+    tables = {
+        branch.name: block_table(branch.static, plan.block_size, plan.causal, shapes.seq_len)
+        for branch in plan.branches
+        if isinstance(branch, p.StaticBranch)
+    }
+    return kernel(platform, plan, config)(
+        query,
+        key,
+        value,
+        gates=given,
+        tables=tables,
+        cu_seqlens=cu,
+        softmax_scale=scale,
+        block_indices=block_indices,
+        block_counts=block_counts,
+    )

@@ -1,0 +1,55 @@
+"""Where kernels run: which platforms have a code generator and can run on this machine.
+
+A platform is usable when its templates exist (templates/<platform>/module.py.j2) and the
+device jax runs on supports it: XLA runs everywhere, Triton needs a GPU, Pallas a GPU or TPU.
+`None`/"auto" picks the most specialised usable one.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from ..config import PLATFORMS, NativeSparseAttentionConfig
+from ..resources import templates_dir
+
+_DEVICES = {"xla": ("cpu", "gpu", "tpu"), "triton": ("gpu",), "pallas": ("gpu", "tpu")}
+# Devices where a platform's kernels run in an interpreter (slow; for tests): used when asked
+# for by name, never picked automatically.
+_INTERPRETED = {"triton": ("cpu",)}
+_PREFERENCE = ("triton", "pallas", "xla")
+
+
+def has_generator(platform: str) -> bool:
+    return (templates_dir() / platform / "module.py.j2").is_file()
+
+
+def device_kind(config: NativeSparseAttentionConfig | None = None) -> str:
+    """"cpu", "gpu" or "tpu": the config's `backend` if set, else jax's default backend."""
+    if config is not None and config.backend is not None:
+        return config.backend
+    return jax.default_backend()
+
+
+def available_platforms(config: NativeSparseAttentionConfig | None = None) -> tuple[str, ...]:
+    """The usable platforms, most specialised first."""
+    device = device_kind(config)
+    return tuple(p for p in _PREFERENCE if device in _DEVICES[p] and has_generator(p))
+
+
+def resolve_platform(requested: str | None, config: NativeSparseAttentionConfig | None = None) -> str:
+    """The platform to run on: `requested`, else the config's, else the best available."""
+    if requested is None and config is not None:
+        requested = config.platform
+    usable = available_platforms(config)
+    if requested is None or requested == "auto":
+        return usable[0]
+    if requested not in PLATFORMS:
+        raise ValueError(f"platform must be one of {', '.join(PLATFORMS)}, 'auto' or None, got {requested!r}")
+    interpreted = has_generator(requested) and device_kind(config) in _INTERPRETED.get(requested, ())
+    if requested not in usable and not interpreted:
+        if not has_generator(requested):
+            why = "nsa_dsl has no code generator for it yet"
+        else:
+            why = f"it needs a {' or '.join(d.upper() for d in _DEVICES[requested])} and jax runs on {device_kind(config).upper()}"
+        raise ValueError(f"platform={requested!r} is not available: {why}; available: {', '.join(usable)}")
+    return requested

@@ -1,0 +1,185 @@
+"""Launching generated Triton kernels from JAX: on a GPU through jax-triton, elsewhere in
+Triton's interpreter.
+
+A generated Triton module calls `launch` for every kernel. With a GPU build of jax the kernel
+becomes an XLA custom call through `jax_triton.triton_call` (imported only then). Without a GPU
+the very same `@triton.jit` functions run in Triton's interpreter (TRITON_INTERPRET=1) inside a
+`jax.pure_callback`, on the host buffers of the callback's numpy arrays, so a generated module
+works under `jax.jit` and `jax.grad` on a CPU: that is how CI checks the kernels. The
+interpreter executes one program at a time in Python; it is for small shapes, float32 and
+float16 (numpy has no bfloat16 for its matrix products).
+
+Kernel signatures follow jax-triton's convention: input pointers and scalars in order, then
+one pointer per output, then the `tl.constexpr` parameters by name.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import threading
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@functools.lru_cache(maxsize=None)
+def on_gpu() -> bool:
+    """Whether jax runs on a GPU, i.e. kernels go through jax-triton rather than the interpreter."""
+    return jax.default_backend() == "gpu"
+
+
+def prepare_kernels() -> None:
+    """Call before a generated module imports triton. Without a GPU, every `triton.jit` function
+    must be an interpreted one, Triton's own library functions (tl.zeros, ...) included, and
+    `triton.jit` decides that when it decorates: at import time for the library."""
+    if on_gpu():
+        return
+    if "triton" in sys.modules and not os.environ.get("TRITON_INTERPRET"):
+        import triton.language as tl
+        from triton.runtime.interpreter import InterpretedFunction
+
+        if not isinstance(tl.zeros, InterpretedFunction):
+            raise RuntimeError(
+                "triton was imported before nsa_dsl could switch it to its interpreter (jax has no GPU "
+                "here): set TRITON_INTERPRET=1 in the environment, or import triton after the first "
+                "platform='triton' call"
+            )
+    os.environ["TRITON_INTERPRET"] = "1"
+    _repair_interpreter_scalar_index()
+
+
+def _repair_interpreter_scalar_index() -> None:
+    """Triton 3.6's interpreter holds a scalar as a one-element array and turns it into a Python
+    int with int(array), which numpy >= 2.4 refuses: any loop whose bounds are loaded values
+    fails (triton-lang/triton#9171, fixed upstream by #9172 with `.item()`-style extraction).
+    Apply the same fix where it is missing."""
+    try:
+        int(np.ones(1))
+        return  # this numpy still converts one-element arrays
+    except TypeError:
+        pass
+    from triton.runtime import interpreter
+
+    patch_tensor = interpreter._patch_lang_tensor
+    if getattr(patch_tensor, "nsa_dsl_scalar_index", False):
+        return
+
+    def patch_lang_tensor(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patch_lang_tensor.nsa_dsl_scalar_index = True
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+def check_dtype(dtype) -> None:
+    """bfloat16 runs on GPUs only: the interpreter multiplies matrices with numpy, which has no bfloat16."""
+    if not on_gpu() and jnp.dtype(dtype) == jnp.bfloat16:
+        raise ValueError(
+            "query: bfloat16 needs a GPU on the triton platform (on a CPU its kernels run in Triton's "
+            "interpreter, which supports float32 and float16); use float16/float32 or platform='xla'"
+        )
+
+
+def next_power_of_two(n: int, minimum: int = 1) -> int:
+    """The smallest power of two >= max(n, minimum): tile extents must be powers of two."""
+    return max(1 << max(n - 1, 0).bit_length(), minimum)
+
+
+def launch(
+    kernel,
+    grid: tuple[int, ...],
+    inputs: Sequence,
+    outputs: Sequence[jax.ShapeDtypeStruct],
+    *,
+    num_warps: int,
+    num_stages: int,
+    zeroed: Sequence[int] = (),
+    **constants,
+) -> list[jax.Array]:
+    """Run `kernel` on `grid`. inputs: arrays and Python ints/floats, in the kernel's parameter
+    order; outputs: shapes and dtypes of the output buffers that follow them (those listed in
+    `zeroed` start as zeros, the others with undefined contents); constants: the kernel's
+    constexpr parameters. Returns the output arrays."""
+    outputs = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outputs]
+    if on_gpu():
+        import jax_triton
+
+        result = jax_triton.triton_call(
+            *inputs,
+            kernel=kernel,
+            out_shape=outputs,
+            grid=grid,
+            num_warps=num_warps,
+            num_stages=num_stages,
+            zeroed_outputs=tuple(zeroed),
+            **constants,
+        )
+        return list(result)
+    arrays = [x for x in inputs if not _is_scalar(x)]
+    callback = functools.partial(_interpret, kernel, grid, tuple(inputs), tuple(outputs), constants)
+    return list(jax.pure_callback(callback, outputs, *arrays, vmap_method="sequential"))
+
+
+def _is_scalar(x) -> bool:
+    return isinstance(x, (bool, int, float))
+
+
+# The interpreter keeps the running program's grid position in module state: one launch at a time.
+_interpreting = threading.Lock()
+
+
+def _interpret(kernel, grid, inputs, outputs, constants, *arrays):
+    """The host side of `launch` without a GPU: run the kernel in the interpreter on numpy buffers."""
+    host = iter(arrays)
+    args = [x if _is_scalar(x) else HostBuffer(np.ascontiguousarray(next(host))) for x in inputs]
+    results = [np.zeros(o.shape, o.dtype) for o in outputs]
+    with _interpreting:
+        kernel[grid](*args, *(HostBuffer(r) for r in results), **constants)
+    return results
+
+
+class HostBuffer:
+    """A numpy array as Triton's interpreter sees a tensor argument.
+
+    The interpreter is written for torch tensors: it reads `data_ptr()` and `dtype`, and copies
+    every argument's storage to the host before the launch and back after it. The memory of a
+    numpy array already is host memory, so here storage, host copy and tensor are one object,
+    and the copies are no-ops."""
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array = array
+        self.dtype = array.dtype
+
+    def data_ptr(self) -> int:
+        return self.array.ctypes.data
+
+    # The storage protocol of GridExecutor._init_args_hst / _restore_args_dev.
+    def untyped_storage(self) -> HostBuffer:
+        return self
+
+    def cpu(self) -> HostBuffer:
+        return self
+
+    def storage_offset(self) -> int:
+        return 0
+
+    def size(self) -> tuple[int, ...]:
+        return self.array.shape
+
+    def stride(self) -> tuple[int, ...]:
+        return tuple(s // self.array.itemsize for s in self.array.strides)
+
+    def new_empty(self, *args, **kwargs) -> HostBuffer:
+        return HostBuffer(self.array)
+
+    def set_(self, storage: HostBuffer, offset: int, size, stride) -> HostBuffer:
+        self.array = storage.array
+        return self
+
+    def copy_(self, other: HostBuffer) -> HostBuffer:
+        return self

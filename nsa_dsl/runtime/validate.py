@@ -1,0 +1,183 @@
+"""Input checks: every bad input becomes a ValueError that names the argument.
+
+Checks use shapes and dtypes only, so they work on traced values under `jit`; value checks
+(cu_seqlens' order and range) run only when the values are concrete.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64)
+
+
+@dataclass(frozen=True)
+class Shapes:
+    batch: int
+    seq_len: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+
+
+def _array(name: str, value: object) -> jax.Array:
+    if isinstance(value, (jax.Array, np.ndarray, np.generic)):
+        return jnp.asarray(value)
+    if isinstance(value, (list, tuple)):
+        try:
+            return jnp.asarray(value)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{name} must be an array, got {type(value).__name__} that is not one ({err})") from None
+    raise ValueError(f"{name} must be an array, got {type(value).__name__}")
+
+
+_INT32 = np.iinfo(np.int32)
+
+
+def _index_array(name: str, value: object) -> jax.Array:
+    """An integer array as int32, out-of-range values clamped (not wrapped): a huge index must
+    stay out of range, never turn into a valid one."""
+    if isinstance(value, (np.ndarray, np.generic, list, tuple)):
+        host = np.asarray(value)
+        if np.issubdtype(host.dtype, np.integer):
+            value = np.clip(host, _INT32.min, _INT32.max).astype(np.int32)
+    array = _array(name, value)
+    if not jnp.issubdtype(array.dtype, jnp.integer):
+        return array
+    return jnp.clip(array, _INT32.min, _INT32.max).astype(jnp.int32)
+
+
+def _is_concrete(x: jax.Array) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def attention_inputs(query: object, key: object, value: object) -> tuple[jax.Array, jax.Array, jax.Array, Shapes]:
+    query, key, value = _array("query", query), _array("key", key), _array("value", value)
+    if query.ndim != 4:
+        raise ValueError(f"query must be [batch, seq_len, num_q_heads, head_dim], got shape {query.shape}")
+    if query.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"query must be float32, bfloat16 or float16, got {query.dtype}")
+    batch, seq_len, heads_q, head_dim = query.shape
+    if seq_len < 1 or heads_q < 1 or head_dim < 1:
+        raise ValueError(f"query must have a non-empty seq_len, num_q_heads and head_dim, got shape {query.shape}")
+    for name, x in (("key", key), ("value", value)):
+        if x.ndim != 4:
+            raise ValueError(f"{name} must be [batch, seq_len, num_kv_heads, head_dim], got shape {x.shape}")
+        if x.shape[:2] != (batch, seq_len) or x.shape[3] != head_dim:
+            raise ValueError(
+                f"{name} must be [batch={batch}, seq_len={seq_len}, num_kv_heads, head_dim={head_dim}] "
+                f"like query, got shape {x.shape}"
+            )
+        if x.dtype != query.dtype:
+            raise ValueError(f"{name} must have query's dtype {query.dtype}, got {x.dtype}")
+    if value.shape != key.shape:
+        raise ValueError(f"value must have key's shape {key.shape}, got {value.shape}")
+    heads_kv = key.shape[2]
+    if heads_kv < 1 or heads_q % heads_kv:
+        raise ValueError(
+            f"key has {heads_kv} heads, which must divide query's {heads_q} heads (grouped-query attention)"
+        )
+    return query, key, value, Shapes(batch, seq_len, heads_q, heads_kv, head_dim)
+
+
+def gates(given: Mapping[str, object], declared: tuple[str, ...], pattern: str, shapes: Shapes) -> dict[str, jax.Array]:
+    """The gates that were passed (None = not passed), each [batch, seq_len, num_q_heads] float."""
+    out = {}
+    for name, gate in given.items():
+        if gate is None:
+            continue
+        if name not in declared:
+            known = ", ".join(declared) if declared else "none"
+            raise ValueError(f"{name}: pattern {pattern!r} has no gate of that name (its gates: {known})")
+        gate = _array(name, gate)
+        expected = (shapes.batch, shapes.seq_len, shapes.heads_q)
+        if gate.shape != expected:
+            raise ValueError(f"{name} must be [batch, seq_len, num_q_heads] = {list(expected)}, got shape {gate.shape}")
+        if gate.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"{name} must be a float array, got {gate.dtype}")
+        out[name] = gate
+    return out
+
+
+def cu_seqlens(value: object, shapes: Shapes) -> jax.Array | None:
+    """int32 [N + 1] offsets of the sequences packed into the single batch row, or None."""
+    if value is None:
+        return None
+    cu = _index_array("cu_seqlens", value)
+    if cu.ndim != 1 or cu.shape[0] < 2:
+        raise ValueError(f"cu_seqlens must be 1-D [num_seqs + 1] with num_seqs >= 1, got shape {cu.shape}")
+    if not jnp.issubdtype(cu.dtype, jnp.integer):
+        raise ValueError(f"cu_seqlens must be an integer array, got {cu.dtype}")
+    if shapes.batch != 1:
+        raise ValueError(f"cu_seqlens packs sequences into one batch row: batch must be 1, got {shapes.batch}")
+    if _is_concrete(cu):
+        host = np.asarray(cu)
+        if host[0] != 0 or (np.diff(host) < 0).any() or host[-1] > shapes.seq_len:
+            raise ValueError(
+                f"cu_seqlens must start at 0, never decrease and end at most at seq_len={shapes.seq_len}, got {host.tolist()}"
+            )
+    return cu
+
+
+def softmax_scale(value: object, shapes: Shapes) -> float | jax.Array:
+    """1/sqrt(head_dim) by default; a number, or a scalar array that may be traced."""
+    if value is None:
+        return 1.0 / math.sqrt(shapes.head_dim)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not math.isfinite(value):
+            raise ValueError(f"softmax_scale must be finite, got {value!r}")
+        return float(value)
+    scale = _array("softmax_scale", value)
+    if scale.ndim != 0 or not (jnp.issubdtype(scale.dtype, jnp.floating) or jnp.issubdtype(scale.dtype, jnp.integer)):
+        raise ValueError(f"softmax_scale must be a real scalar, got shape {scale.shape} dtype {scale.dtype}")
+    return scale
+
+
+def _per_token(name: str, value: jax.Array, shapes: Shapes, block: int, cu: jax.Array | None, trailing: tuple[int, ...]):
+    """value in the per-token layout [B, T, HKV, *trailing], accepting ejkernel's per-query-block
+    layout [B, HKV, ceil(T / block), *trailing] as well (not with cu_seqlens: its blocks are
+    the packed row's, not the sequences')."""
+    b, t, h = shapes.batch, shapes.seq_len, shapes.heads_kv
+    num_blocks = -(-t // block)
+    rank = 3 + len(trailing)
+    if value.ndim == rank and value.shape[:3] == (b, t, h) and value.shape[3:] == trailing:
+        return value
+    if value.ndim == rank and value.shape[:3] == (b, h, num_blocks) and value.shape[3:] == trailing and cu is None:
+        per_block = jnp.moveaxis(value, 1, 2)  # [B, blocks, HKV, ...]
+        return per_block[:, jnp.arange(t) // block]
+    extra = "".join(f", {n}" for n in trailing) if trailing else ""
+    layouts = f"[batch, seq_len, num_kv_heads{extra}] = {[b, t, h, *trailing]}"
+    if cu is None:
+        layouts += f" or [batch, num_kv_heads, num_blocks{extra}] = {[b, h, num_blocks, *trailing]}"
+    raise ValueError(f"{name} must be {layouts}, got shape {value.shape}")
+
+
+def selection(block_indices: object, block_counts: object, shapes: Shapes, block: int, cu: jax.Array | None):
+    """(block_indices [B, T, HKV, S] int32, block_counts [B, T, HKV] int32) for explicit selection."""
+    if block_indices is None:
+        raise ValueError("block_indices is required: the pattern selects key blocks explicitly")
+    indices = _index_array("block_indices", block_indices)
+    if indices.ndim != 4:
+        raise ValueError(f"block_indices must be 4-D [batch, seq_len, num_kv_heads, num_selected], got shape {indices.shape}")
+    if not jnp.issubdtype(indices.dtype, jnp.integer):
+        raise ValueError(f"block_indices must be an integer array, got {indices.dtype}")
+    if indices.shape[3] < 1:
+        raise ValueError(f"block_indices must hold at least one entry per token, got shape {indices.shape}")
+    indices = _per_token("block_indices", indices, shapes, block, cu, (indices.shape[3],))
+    if isinstance(block_counts, (int, np.integer)) and not isinstance(block_counts, bool):
+        count = min(max(int(block_counts), 0), _INT32.max)
+        counts = jnp.full((shapes.batch, shapes.seq_len, shapes.heads_kv), count, jnp.int32)
+    elif not isinstance(block_counts, (jax.Array, np.ndarray, list, tuple)):
+        raise ValueError(f"block_counts must be an int or an integer array, got {block_counts!r}")
+    else:
+        counts = _index_array("block_counts", block_counts)
+        if not jnp.issubdtype(counts.dtype, jnp.integer):
+            raise ValueError(f"block_counts must be an int or an integer array, got {counts.dtype}")
+        counts = _per_token("block_counts", counts, shapes, block, cu, ())
+    return indices, counts

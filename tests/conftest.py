@@ -1,0 +1,58 @@
+"""Shared helpers: fresh random inputs, error measures, a private code-generation cache."""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+
+# float32 kernels against the float64 reference: accumulation error only.
+FORWARD_TOLERANCE = 2e-5
+GRADIENT_TOLERANCE = 1e-4
+BF16_TOLERANCE = 2e-2
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_cache(tmp_path_factory: pytest.TempPathFactory):
+    """Generated modules go to a per-session folder, not the user's ~/.cache."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv("NSA_DSL_CACHE_DIR", str(tmp_path_factory.mktemp("nsa_cache")))
+    yield
+    patch.undo()
+
+
+@pytest.fixture
+def rng(request: pytest.FixtureRequest) -> np.random.Generator:
+    """A generator seeded from the test's id: fresh data per test, reproducible per run."""
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+def normal(rng: np.random.Generator, *shape: int, dtype=np.float32) -> np.ndarray:
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def qkv(rng: np.random.Generator, batch: int, seq_len: int, heads_q: int, heads_kv: int, head_dim: int, dtype=np.float32):
+    return (
+        normal(rng, batch, seq_len, heads_q, head_dim, dtype=dtype),
+        normal(rng, batch, seq_len, heads_kv, head_dim, dtype=dtype),
+        normal(rng, batch, seq_len, heads_kv, head_dim, dtype=dtype),
+    )
+
+
+def gate(rng: np.random.Generator, batch: int, seq_len: int, heads_q: int) -> np.ndarray:
+    return rng.uniform(0.25, 1.5, (batch, seq_len, heads_q)).astype(np.float32)
+
+
+def relative_error(actual, expected) -> float:
+    """max |actual - expected| / max |expected|."""
+    actual = np.asarray(actual, dtype=np.float64)
+    expected = np.asarray(expected, dtype=np.float64)
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    assert np.isfinite(actual).all(), "non-finite values"
+    return float(np.abs(actual - expected).max() / max(np.abs(expected).max(), 1e-30))
+
+
+def assert_close(actual, expected, tolerance: float, what: str = "") -> None:
+    error = relative_error(actual, expected)
+    assert error <= tolerance, f"{what}: relative error {error:.3e} > {tolerance:.1e}"

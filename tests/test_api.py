@@ -1,0 +1,189 @@
+"""The public API: native_sparse_attention's ejkernel contract (signature, layouts, gates,
+errors that name the argument), compile() and SparseAttention, platforms, check_pattern."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import nsa_dsl
+import reference
+from conftest import FORWARD_TOLERANCE, assert_close, gate, qkv
+from nsa_dsl.api import check_pattern, selection_plan
+from nsa_dsl.plan import lower
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def test_native_sparse_attention_has_ejkernels_signature():
+    parameters = inspect.signature(nsa_dsl.native_sparse_attention).parameters
+    positional = ["query", "key", "value", "g_cmp", "g_slc", "block_indices", "block_counts", "cu_seqlens"]
+    assert [n for n, x in parameters.items() if x.kind is inspect.Parameter.POSITIONAL_ONLY] == positional
+    assert [n for n, x in parameters.items() if x.kind is inspect.Parameter.KEYWORD_ONLY] == ["softmax_scale", "platform", "cfg"]
+    assert parameters["block_counts"].default == 16
+    assert all(parameters[n].default is None for n in ("g_cmp", "g_slc", "block_indices", "cu_seqlens", "softmax_scale"))
+
+
+def test_per_query_block_layout_and_default_gate(rng):
+    """ejkernel's [B, HKV, num_blocks, S] layout means the per-token rows of each query block;
+    g_slc=None weighs the selection 1; cfg.block_size is the key-block size."""
+    block, seq_len = 32, 70
+    cfg = nsa_dsl.NativeSparseAttentionConfig(block_size=block)
+    q, k, v = qkv(rng, 2, seq_len, 4, 2, 16)
+    per_block = rng.integers(-1, 3, (2, 2, 3, 2)).astype(np.int32)
+    counts_per_block = rng.integers(0, 3, (2, 2, 3)).astype(np.int32)
+    rows = np.arange(seq_len) // block
+    per_token = per_block.transpose(0, 2, 1, 3)[:, rows]
+    counts_per_token = counts_per_block.transpose(0, 2, 1)[:, rows]
+
+    out = nsa_dsl.native_sparse_attention(q, k, v, None, None, per_block, counts_per_block, cfg=cfg)
+    mask = reference.selection_mask(per_token, counts_per_token, block)
+    assert_close(out, reference.forward(q, k, v, [mask], [None], 0.25), FORWARD_TOLERANCE, "per-block layout")
+    same = nsa_dsl.native_sparse_attention(q, k, v, None, None, per_token, counts_per_token, cfg=cfg)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(same))
+
+
+def test_softmax_scale_and_gate(rng):
+    q, k, v = qkv(rng, 1, 40, 2, 1, 8)
+    g_slc = gate(rng, 1, 40, 2)
+    indices = np.tile(np.arange(3, dtype=np.int32), (1, 40, 1, 1))
+    out = nsa_dsl.native_sparse_attention(q, k, v, None, g_slc, indices, 2, softmax_scale=0.7)
+    mask = reference.selection_mask(indices, 2, 64)
+    assert_close(out, reference.forward(q, k, v, [mask], [g_slc], 0.7), FORWARD_TOLERANCE, "scaled, gated")
+
+
+def test_g_cmp_is_the_next_phase(rng):
+    q, k, v = qkv(rng, 1, 16, 2, 1, 8)
+    with pytest.raises(NotImplementedError, match="g_cmp"):
+        nsa_dsl.native_sparse_attention(q, k, v, gate(rng, 1, 16, 2))
+
+
+def _bad_calls():
+    """(argument, change to a good call) pairs; the data's values do not matter here."""
+    rng = np.random.default_rng(0)
+    q, k, v = qkv(rng, 1, 32, 4, 2, 8)
+    idx = np.zeros((1, 32, 2, 2), np.int32)
+    g = gate(rng, 1, 32, 4)
+    return [
+        ("query", dict(query=q[0])),
+        ("query", dict(query=q.astype(np.int32), key=k.astype(np.int32), value=v.astype(np.int32))),
+        ("key", dict(key=k[:, :16])),
+        ("key", dict(key=k.astype(np.float16))),
+        ("value", dict(value=v[..., :4])),
+        ("key", dict(key=qkv(rng, 1, 32, 4, 3, 8)[1], value=qkv(rng, 1, 32, 4, 3, 8)[2])),  # 4 % 3 != 0
+        ("g_slc", dict(g_slc=g[..., :2])),
+        ("g_slc", dict(g_slc=g.astype(np.int32))),
+        ("block_indices", dict(block_indices=None)),
+        ("block_indices", dict(block_indices=idx[0])),
+        ("block_indices", dict(block_indices=idx.astype(np.float32))),
+        ("block_indices", dict(block_indices=idx[:, :31])),
+        ("block_indices", dict(block_indices=idx[..., :0])),
+        ("block_counts", dict(block_counts=np.zeros((1, 32, 3), np.int32))),
+        ("block_counts", dict(block_counts=np.zeros((1, 32, 2), np.float32))),
+        ("block_counts", dict(block_counts=2.5)),
+        ("cu_seqlens", dict(cu_seqlens=np.array([[0, 32]]))),
+        ("cu_seqlens", dict(cu_seqlens=np.array([0.0, 32.0]))),
+        ("cu_seqlens", dict(cu_seqlens=np.array([0, 20, 10, 32]))),
+        ("cu_seqlens", dict(cu_seqlens=np.array([0, 40]))),
+        ("cu_seqlens", dict(query=np.concatenate([q, q]), key=np.concatenate([k, k]), value=np.concatenate([v, v]),
+                            block_indices=np.concatenate([idx, idx]), cu_seqlens=np.array([0, 32]))),
+        ("block_indices", dict(block_indices=np.zeros((1, 2, 1, 2), np.int32), cu_seqlens=np.array([0, 32]))),
+        ("softmax_scale", dict(softmax_scale=np.ones(2, np.float32))),
+        ("softmax_scale", dict(softmax_scale=float("inf"))),
+        ("platform", dict(platform="cuda")),
+        ("platform", dict(platform="pallas")),
+    ], dict(query=q, key=k, value=v, g_slc=None, block_indices=idx, block_counts=2, cu_seqlens=None)
+
+
+BAD_CALLS, GOOD_CALL = _bad_calls()
+
+
+@pytest.mark.parametrize("case", range(len(BAD_CALLS)), ids=[f"{i}-{name}" for i, (name, _) in enumerate(BAD_CALLS)])
+def test_every_bad_input_is_a_value_error_naming_the_argument(case):
+    name, change = BAD_CALLS[case]
+    args = {**GOOD_CALL, **change}
+    keywords = {key: args.pop(key) for key in ("softmax_scale", "platform") if key in args}
+    order = ["query", "key", "value", "g_cmp", "g_slc", "block_indices", "block_counts", "cu_seqlens"]
+    with pytest.raises(ValueError, match=name):
+        nsa_dsl.native_sparse_attention(*(args.get(n) for n in order), **keywords)
+
+
+LONGFORMER = EXAMPLES / "longformer.nsa"
+
+
+def test_compile_a_file_with_overrides(rng):
+    attention = nsa_dsl.compile(LONGFORMER, window=48)
+    assert isinstance(attention, nsa_dsl.SparseAttention)
+    assert dict(attention.plan.params)["window"] == 48
+    assert attention.plan == lower(attention.pattern)
+    q, k, v = qkv(rng, 1, 150, 4, 1, 32)
+    branch = attention.plan.branches[0]
+    mask = reference.static_mask(branch.static, attention.plan.block_size, True, 1, 150)
+    assert_close(attention(q, k, v), reference.forward(q, k, v, [mask], [None], 1 / np.sqrt(32)), FORWARD_TOLERANCE, "longformer")
+    source = attention.source("xla")
+    assert "pattern `longformer`" in source and "window = 48" in source and "window(48) | global(first=1)" in source
+
+
+SOURCE = """
+pattern first
+block 16
+causal
+branch main = window(8)
+
+pattern second
+block 16
+bidirectional
+gate g_near
+branch near = local(1, 1) gate g_near
+branch far = global(first=1) gate g_slc default 0.5
+"""
+
+
+def test_compile_text_with_declared_and_builtin_gates(rng):
+    attention = nsa_dsl.compile(SOURCE, pattern="second")
+    assert attention.plan.name == "second"
+    q, k, v = qkv(rng, 1, 50, 2, 2, 16)
+    g_near, g_slc = gate(rng, 1, 50, 2), gate(rng, 1, 50, 2)
+    near, far = (reference.static_mask(b.static, 16, False, 1, 50) for b in attention.plan.branches)
+    scale = 0.25
+    assert_close(attention(q, k, v, g_near=g_near, g_slc=g_slc),
+                 reference.forward(q, k, v, [near, far], [g_near, g_slc], scale), FORWARD_TOLERANCE, "both gates")
+    assert_close(attention(q, k, v), 0.5 * reference.forward(q, k, v, [far], [None], scale), FORWARD_TOLERANCE, "defaults")
+    with pytest.raises(ValueError, match="g_swa"):
+        attention(q, k, v, g_swa=g_near)
+    with pytest.raises(ValueError, match="g_other"):
+        attention(q, k, v, g_other=g_near)
+    with pytest.raises(ValueError, match="block_indices"):
+        attention(q, k, v, block_indices=np.zeros((1, 50, 2, 1), np.int32))
+
+
+def test_compile_reports_located_errors():
+    with pytest.raises(nsa_dsl.NsaSemanticError, match="g_slcc"):
+        nsa_dsl.compile("pattern p\nblock 16\ncausal\nbranch main = window(8) gate g_slcc\n")
+    with pytest.raises(nsa_dsl.NsaSyntaxError):
+        nsa_dsl.compile("pattern p\nblock 16\nbranch main = window(8\n")
+
+
+def test_jit_of_a_compiled_pattern_with_traced_scale(rng):
+    import jax
+
+    attention = nsa_dsl.compile(SOURCE, pattern="first")
+    q, k, v = qkv(rng, 2, 33, 4, 2, 16)
+    run = jax.jit(lambda q, k, v, s: attention(q, k, v, softmax_scale=s))
+    mask = reference.static_mask(attention.plan.branches[0].static, 16, True, 2, 33)
+    for scale in (0.1, 0.6):
+        assert_close(run(q, k, v, jnp.float32(scale)), reference.forward(q, k, v, [mask], [None], scale),
+                     FORWARD_TOLERANCE, f"scale {scale}")
+
+
+def test_check_pattern_report():
+    report = check_pattern(lower(nsa_dsl.compile(SOURCE, pattern="second").pattern), 100)
+    assert report.ok and report.seq_len == 100 and report.max_error < 1e-4, str(report)
+    assert "max relative error" in str(report)
+    assert check_pattern(selection_plan(16), 64).ok
+    refused = check_pattern(lower(nsa_dsl.compile(EXAMPLES / "nsa.nsa").pattern), 64)
+    assert not refused.ok and "not checked" in str(refused)
