@@ -4,17 +4,26 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from dataclasses import dataclass
 
 from . import codegen, dsl
 from .config import NativeSparseAttentionConfig
 from .dsl import model
-from .plan import lower
+from .plan import lower, lower_keys
 from .plan import plan as p
-from .runtime import attend, check_supported, resolve_platform
+from .runtime import attend, check_supported, resolve_platform, selections
 from .runtime.check import CheckReport, check_pattern
 
-__all__ = ["CheckReport", "SparseAttention", "check_pattern", "compile", "native_sparse_attention", "selection_plan"]
+__all__ = [
+    "CheckReport",
+    "SparseAttention",
+    "check_pattern",
+    "compile",
+    "compressed_selection_plan",
+    "native_sparse_attention",
+    "selection_plan",
+]
 
 
 @functools.lru_cache(maxsize=None)
@@ -23,6 +32,20 @@ def selection_plan(block_size: int) -> p.Plan:
     reading the caller's `block_indices`, gated by g_slc (weight 1 when not given)."""
     branch = p.SelectBranch(name="slc", gate=model.Gate("g_slc", 1.0), block=block_size)
     return p.Plan(name="native_sparse_attention", block_size=block_size, causal=True, params=(), branches=(branch,))
+
+
+@functools.lru_cache(maxsize=None)
+def compressed_selection_plan(block_size: int, count: int) -> p.Plan:
+    """The built-in plan of `native_sparse_attention` with g_cmp: mean-pooled compression over
+    blocks of `block_size` (gated by g_cmp) scoring a per-token top-`count` selection of blocks
+    of `block_size` that always holds the query's own block (gated by g_slc, weight 1 when not
+    given) -- ejkernel's and flash-linear-attention's configuration."""
+    compress = p.CompressBranch(name="cmp", gate=model.Gate("g_cmp"), block=block_size, stride=block_size, pool="mean")
+    select = p.TopKBranch(
+        name="slc", gate=model.Gate("g_slc", 1.0), count=count, block=block_size, score="cmp", query_block=1,
+        force=lower_keys(model.Local(1)),
+    )
+    return p.Plan(name="native_sparse_attention", block_size=block_size, causal=True, params=(), branches=(compress, select))
 
 
 def native_sparse_attention(
@@ -50,14 +73,29 @@ def native_sparse_attention(
     positions and block ids count from the start of t's own sequence. Returns
     o_slc * g_slc (o_slc if g_slc is None) in query's dtype; softmax_scale defaults to
     1/sqrt(D) and may be traced.
+
+    With `g_cmp` given, the blocks are chosen on device instead (block_indices are ignored):
+    keys and values are mean-pooled per block of cfg.block_size, the compressed attention's
+    probabilities (summed over each KV group's query heads) score the blocks, and the
+    top `block_counts` (an int) causally valid blocks, always including the query's own, are
+    attended; o = g_slc * o_slc + g_cmp * o_cmp.
     """
     cfg = cfg if cfg is not None else NativeSparseAttentionConfig()
     if g_cmp is not None:
-        # Compression + on-device top-k selection (o = g_slc * o_slc + g_cmp * o_cmp) is the
-        # next phase's plan; it will be dispatched from here.
-        raise NotImplementedError(
-            "native_sparse_attention with g_cmp (compressed attention and top-k block selection) "
-            "is not available yet; pass g_cmp=None and explicit block_indices"
+        if block_indices is not None:
+            warnings.warn("native_sparse_attention: block_indices are ignored when g_cmp is given (top-k selects the blocks)", stacklevel=2)
+        if isinstance(block_counts, bool) or not isinstance(block_counts, int) or block_counts < 1:
+            raise ValueError(f"block_counts: with g_cmp it is the number of blocks top-k selects, a positive int; got {block_counts!r}")
+        return attend(
+            compressed_selection_plan(cfg.block_size, block_counts),
+            query,
+            key,
+            value,
+            gates={"g_cmp": g_cmp, "g_slc": g_slc},
+            cu_seqlens=cu_seqlens,
+            softmax_scale=softmax_scale,
+            platform=platform,
+            config=cfg,
         )
     if block_indices is None:
         raise ValueError("block_indices is required when g_cmp is None: pass [B, T, HKV, S] key-block ids")
@@ -91,6 +129,12 @@ class SparseAttention:
         platform = resolve_platform(platform, self.config)
         check_supported(self.plan, platform)
         return codegen.source(platform, self.plan, self.config)
+
+    def selections(self, query, key, value, *, cu_seqlens=None, softmax_scale=None, platform: str | None = None):
+        """The key blocks each topk branch selects for these inputs:
+        {branch name: [B, T, HKV, count] block ids of the branch's block size, -1 unused}."""
+        return selections(self.plan, query, key, value, cu_seqlens=cu_seqlens, softmax_scale=softmax_scale,
+                          platform=platform, config=self.config)
 
     def __call__(
         self,

@@ -1,6 +1,15 @@
 """The runtime: platform detection, input validation, host tables, dispatch to generated kernels."""
 
-from .dispatch import attend, block_table, check_supported, kernel
+from .dispatch import attend, block_table, branch_tables, check_supported, kernel, selections
 from .platform import available_platforms, resolve_platform
 
-__all__ = ["attend", "available_platforms", "block_table", "check_supported", "kernel", "resolve_platform"]
+__all__ = [
+    "attend",
+    "available_platforms",
+    "block_table",
+    "branch_tables",
+    "check_supported",
+    "kernel",
+    "resolve_platform",
+    "selections",
+]

@@ -16,7 +16,7 @@ from . import validate
 from .platform import resolve_platform
 
 # Branch kinds each platform's templates implement.
-_KERNELS = {"xla": (p.StaticBranch, p.SelectBranch), "triton": (p.SelectBranch,)}
+_KERNELS = {"xla": (p.StaticBranch, p.SelectBranch, p.CompressBranch, p.TopKBranch), "triton": (p.SelectBranch,)}
 
 
 def check_supported(plan: p.Plan, platform: str) -> None:
@@ -37,11 +37,46 @@ def block_table(static: p.StaticKeys, block_size: int, causal: bool, seq_len: in
     return table.indices, table.counts, table.full, table.atom_bits
 
 
+def branch_tables(plan: p.Plan, seq_len: int) -> dict[str, tuple[np.ndarray, ...]]:
+    """The host tables of a plan's branches: a static branch's block table; a top-k branch's
+    forced blocks, as a table over selection blocks (empty when nothing is forced)."""
+    tables = {}
+    for branch in plan.branches:
+        if isinstance(branch, p.StaticBranch):
+            tables[branch.name] = block_table(branch.static, plan.block_size, plan.causal, seq_len)
+        elif isinstance(branch, p.TopKBranch):
+            tables[branch.name] = (
+                block_table(branch.force, branch.block, True, seq_len) if branch.force is not None else _nothing_forced(branch.block, seq_len)
+            )
+    return tables
+
+
+@functools.lru_cache(maxsize=64)
+def _nothing_forced(block: int, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    rows = -(-seq_len // block)
+    return np.full((rows, 1), -1, dtype=np.int32), np.zeros(rows, dtype=np.int32)
+
+
 @functools.lru_cache(maxsize=None)
-def kernel(platform: str, plan: p.Plan, config: NativeSparseAttentionConfig | None) -> Callable:
-    """The generated module's jitted `attention` for (platform, plan, config)."""
+def kernel(platform: str, plan: p.Plan, config: NativeSparseAttentionConfig | None, entry: str = "attention") -> Callable:
+    """The generated module's jitted `entry` function for (platform, plan, config)."""
     check_supported(plan, platform)
-    return jax.jit(codegen.load_module(platform, plan, config).attention)
+    return jax.jit(getattr(codegen.load_module(platform, plan, config), entry))
+
+
+def selections(plan: p.Plan, query, key, value, *, cu_seqlens=None, softmax_scale=None, platform=None, config=None):
+    """{top-k branch name: [B, T, HKV, count] selected block ids (-1 unused)} of `plan`."""
+    if not any(isinstance(b, p.TopKBranch) for b in plan.branches):
+        raise ValueError(f"pattern {plan.name!r} has no topk branch")
+    query, key, value, shapes = validate.attention_inputs(query, key, value)
+    return kernel(resolve_platform(platform, config), plan, config, "selections")(
+        query,
+        key,
+        value,
+        tables=branch_tables(plan, shapes.seq_len),
+        cu_seqlens=validate.cu_seqlens(cu_seqlens, shapes),
+        softmax_scale=validate.softmax_scale(softmax_scale, shapes),
+    )
 
 
 def attend(
@@ -72,11 +107,7 @@ def attend(
             if given_value is not None:
                 raise ValueError(f"{name}: pattern {plan.name!r} has no branch that selects key blocks explicitly")
     platform = resolve_platform(platform, config)
-    tables = {
-        branch.name: block_table(branch.static, plan.block_size, plan.causal, shapes.seq_len)
-        for branch in plan.branches
-        if isinstance(branch, p.StaticBranch)
-    }
+    tables = branch_tables(plan, shapes.seq_len)
     return kernel(platform, plan, config)(
         query,
         key,
