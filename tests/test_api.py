@@ -56,12 +56,6 @@ def test_softmax_scale_and_gate(rng):
     assert_close(out, reference.forward(q, k, v, [mask], [g_slc], 0.7), FORWARD_TOLERANCE, "scaled, gated")
 
 
-def test_g_cmp_is_the_next_phase(rng):
-    q, k, v = qkv(rng, 1, 16, 2, 1, 8)
-    with pytest.raises(NotImplementedError, match="g_cmp"):
-        nsa_dsl.native_sparse_attention(q, k, v, gate(rng, 1, 16, 2))
-
-
 def _bad_calls():
     """(argument, change to a good call) pairs; the data's values do not matter here."""
     rng = np.random.default_rng(0)
