@@ -130,11 +130,12 @@ class SparseAttention:
         check_supported(self.plan, platform)
         return codegen.source(platform, self.plan, self.config)
 
-    def selections(self, query, key, value, *, cu_seqlens=None, softmax_scale=None, platform: str | None = None):
+    def selections(self, query, key, value, *, cu_seqlens=None, softmax_scale=None, platform: str | None = None,
+                   pool_fns=None):
         """The key blocks each topk branch selects for these inputs:
         {branch name: [B, T, HKV, count] block ids of the branch's block size, -1 unused}."""
         return selections(self.plan, query, key, value, cu_seqlens=cu_seqlens, softmax_scale=softmax_scale,
-                          platform=platform, config=self.config)
+                          platform=platform, config=self.config, pool_fns=pool_fns)
 
     def __call__(
         self,
@@ -150,11 +151,14 @@ class SparseAttention:
         platform: str | None = None,
         block_indices=None,
         block_counts=None,
+        pool_fns=None,
         **extra_gates,
     ):
         """Sparse attention of this pattern. Gates ([B, T, HQ]) are passed by the names the
         pattern declares (g_cmp, g_slc, g_swa or its own); a branch whose gate is not passed
-        weighs its declared default, or is skipped if it has none."""
+        weighs its declared default, or is skipped if it has none. `pool_fns` maps each compress
+        branch declared with pool=learned to its pooling function
+        (k_blocks [C, l, HKV, D], v_blocks) -> (k_cmp [C, HKV, D], v_cmp)."""
         gates = {"g_cmp": g_cmp, "g_slc": g_slc, "g_swa": g_swa, **extra_gates}
         return attend(
             self.plan,
@@ -168,6 +172,7 @@ class SparseAttention:
             block_counts=block_counts,
             platform=platform,
             config=self.config,
+            pool_fns=pool_fns,
         )
 
 

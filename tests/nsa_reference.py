@@ -34,6 +34,13 @@ class NsaSpec:
     # forced(query_selection_block, key_selection_block) -> bool
     forced: Callable[[int, int], bool] = lambda qb, kb: False
     window: int | None = None
+    # Per-position pooling weights of a compressed block (the mean when None).
+    pool_weights: tuple[float, ...] | None = None
+
+    def weights(self) -> np.ndarray:
+        if self.pool_weights is None:
+            return np.full(self.compress_block, 1 / self.compress_block)
+        return np.asarray(self.pool_weights, dtype=np.float64)
 
 
 def _segments(total: int, cu_seqlens) -> list[tuple[int, int]]:
@@ -53,12 +60,13 @@ def _softmax_attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: 
     return p @ values, p
 
 
-def compressed_kv(k: np.ndarray, v: np.ndarray, block: int, stride: int):
+def compressed_kv(k: np.ndarray, v: np.ndarray, spec: NsaSpec):
     """k, v [L, D] of one sequence and head -> pooled [n_c, D] each."""
+    block, stride, w = spec.compress_block, spec.compress_stride, spec.weights()
     length = k.shape[0]
     n_c = (length - block) // stride + 1 if length >= block else 0
-    kc = np.array([k[i * stride : i * stride + block].mean(0) for i in range(n_c)]).reshape(n_c, k.shape[1])
-    vc = np.array([v[i * stride : i * stride + block].mean(0) for i in range(n_c)]).reshape(n_c, v.shape[1])
+    kc = np.array([w @ k[i * stride : i * stride + block] for i in range(n_c)]).reshape(n_c, k.shape[1])
+    vc = np.array([w @ v[i * stride : i * stride + block] for i in range(n_c)]).reshape(n_c, v.shape[1])
     return kc, vc
 
 
@@ -98,7 +106,7 @@ def nsa_reference(q, k, v, spec: NsaSpec, *, gates: dict[str, np.ndarray | None]
             p_cmp = np.zeros((length, hq, max((length - spec.compress_block) // spec.compress_stride + 1, 0)))
             for h in range(hq):
                 g = h // group
-                kc, vc = compressed_kv(k[b, start:end, g], v[b, start:end, g], spec.compress_block, spec.compress_stride)
+                kc, vc = compressed_kv(k[b, start:end, g], v[b, start:end, g], spec)
                 for t in range(length):
                     visible = [i for i in range(len(kc)) if i * spec.compress_stride + spec.compress_block - 1 <= t]
                     o_cmp[b, start + t, h], p = _softmax_attend(q[b, start + t, h], kc[visible], vc[visible], scale)
@@ -145,7 +153,7 @@ def dense_operators(spec: NsaSpec, batch: int, total: int, cu_seqlens=None):
         length = end - start
         for i in range((length - spec.compress_block) // spec.compress_stride + 1 if length >= spec.compress_block else 0):
             row = np.zeros(total)
-            row[start + i * spec.compress_stride : start + i * spec.compress_stride + spec.compress_block] = 1 / spec.compress_block
+            row[start + i * spec.compress_stride : start + i * spec.compress_stride + spec.compress_block] = spec.weights()
             pool_rows.append(row)
             owners.append((start, end, i))
     pool = np.array(pool_rows).reshape(len(pool_rows), total)

@@ -48,7 +48,7 @@ _SIGNATURES: dict[str, tuple[tuple[str, object], ...]] = {
 _VARIADIC = "blocks"  # blocks(i, j, ...): positional block ids only
 _DYNAMIC = ("compress", "topk")
 _FUNCTIONS = (*_SIGNATURES, _VARIADIC)
-_POOLS = ("mean",)
+_POOLS = ("mean", "learned")  # learned: a callable the caller passes (pool_fns=)
 _ARITHMETIC = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv, "//": operator.floordiv}
 
 Scalar = int | float | bool

@@ -16,7 +16,7 @@ from . import validate
 from .platform import resolve_platform
 
 # Branch kinds each platform's templates implement.
-_KERNELS = {"xla": (p.StaticBranch, p.SelectBranch, p.CompressBranch, p.TopKBranch), "triton": (p.SelectBranch,)}
+_KERNELS = {"xla": (p.StaticBranch, p.SelectBranch, p.CompressBranch, p.TopKBranch), "triton": (p.StaticBranch, p.SelectBranch)}
 
 
 def check_supported(plan: p.Plan, platform: str) -> None:
@@ -64,12 +64,13 @@ def kernel(platform: str, plan: p.Plan, config: NativeSparseAttentionConfig | No
     return jax.jit(getattr(codegen.load_module(platform, plan, config), entry))
 
 
-def selections(plan: p.Plan, query, key, value, *, cu_seqlens=None, softmax_scale=None, platform=None, config=None):
+def selections(plan: p.Plan, query, key, value, *, cu_seqlens=None, softmax_scale=None, platform=None, config=None,
+               pool_fns: Mapping[str, Callable] | None = None):
     """{top-k branch name: [B, T, HKV, count] selected block ids (-1 unused)} of `plan`."""
     if not any(isinstance(b, p.TopKBranch) for b in plan.branches):
         raise ValueError(f"pattern {plan.name!r} has no topk branch")
     query, key, value, shapes = validate.attention_inputs(query, key, value)
-    return kernel(resolve_platform(platform, config), plan, config, "selections")(
+    return entry(resolve_platform(platform, config), plan, config, "selections", pool_fns)(
         query,
         key,
         value,
@@ -77,6 +78,26 @@ def selections(plan: p.Plan, query, key, value, *, cu_seqlens=None, softmax_scal
         cu_seqlens=validate.cu_seqlens(cu_seqlens, shapes),
         softmax_scale=validate.softmax_scale(softmax_scale, shapes),
     )
+
+
+def entry(platform: str, plan: p.Plan, config, name: str, pool_fns: Mapping[str, Callable] | None) -> Callable:
+    """The generated `name` function to call: jitted and cached when the plan pools with its
+    own means; with learned pooling functions, the module's function itself (the functions
+    close over parameters, so the caller's jit traces them along)."""
+    learned = sorted(b.name for b in plan.branches if isinstance(b, p.CompressBranch) and b.pool == "learned")
+    given = dict(pool_fns or {})
+    if sorted(given) != learned:
+        raise ValueError(
+            f"pool_fns: pattern {plan.name!r} pools with learned functions in branches {learned or 'none'}; "
+            f"got functions for {sorted(given) or 'none'}"
+        )
+    for branch, fn in given.items():
+        if not callable(fn):
+            raise ValueError(f"pool_fns[{branch!r}] must be a callable (k_blocks, v_blocks) -> (k_cmp, v_cmp)")
+    if not given:
+        return kernel(platform, plan, config, name)
+    check_supported(plan, platform)
+    return functools.partial(getattr(codegen.load_module(platform, plan, config), name), pool_fns=given)
 
 
 def attend(
@@ -92,6 +113,7 @@ def attend(
     block_counts=None,
     platform: str | None = None,
     config: NativeSparseAttentionConfig | None = None,
+    pool_fns: Mapping[str, Callable] | None = None,
 ):
     """Sparse attention of `plan` on [B, T, H, D] inputs; see the generated module's contract."""
     query, key, value, shapes = validate.attention_inputs(query, key, value)
@@ -108,7 +130,7 @@ def attend(
                 raise ValueError(f"{name}: pattern {plan.name!r} has no branch that selects key blocks explicitly")
     platform = resolve_platform(platform, config)
     tables = branch_tables(plan, shapes.seq_len)
-    return kernel(platform, plan, config)(
+    return entry(platform, plan, config, "attention", pool_fns)(
         query,
         key,
         value,

@@ -1,18 +1,26 @@
-"""Index arrays the Triton kernels read, built on device in JAX (jit-safe, no host round trip).
+"""Index arrays the Triton kernels read.
 
 Kernels address the batch as N = B * T packed rows ([N, H, D] views of q, k, v). A sequence is
 a range of rows [start, end): without cu_seqlens each batch row is one, with cu_seqlens they are
-its offsets. Key blocks are counted per sequence from its first row, so a sequence's last block
-may be short and no block crosses a boundary.
+its offsets. Blocks are counted per sequence from its first row, so a sequence's last block may
+be short and no block crosses a boundary.
+
+What depends on the data (sequence offsets, selections) is built on device in JAX, jit-safe and
+without a host round trip; what depends only on the pattern and the length (the transposed
+block tables of static branches) is built once on the host and cached.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+
+from ..plan.plan import StaticKeys
 
 
 class Rows(NamedTuple):
@@ -40,30 +48,34 @@ def rows(offsets: jax.Array, total: int) -> Rows:
     return Rows(start, offsets[seq + 1], jnp.where(inside, row - start, -1), seq)
 
 
-class KeyBlocks(NamedTuple):
-    """The key blocks of all sequences, sequence by sequence, padded to a static count."""
+class Blocks(NamedTuple):
+    """The blocks of all sequences, sequence by sequence, padded to a static count: the key
+    blocks of the backward kernels and the query tiles of static branches."""
 
     first_row: jax.Array  # [num] int32; padding blocks have first_row == end_row (empty)
     end_row: jax.Array  # [num] int32, <= first_row + block
-    seq_first: jax.Array  # [num_seqs + 1] int32: id of each sequence's first key block
+    seq_start: jax.Array  # [num] int32, first row of the block's sequence
+    seq_end: jax.Array  # [num] int32, end row of the block's sequence
+    seq_first: jax.Array  # [num_seqs + 1] int32: id of each sequence's first block
 
     @property
     def count(self) -> int:
         return self.first_row.shape[0]
 
 
-def key_blocks(offsets: jax.Array, total: int, block: int) -> KeyBlocks:
+def sequence_blocks(offsets: jax.Array, total: int, block: int) -> Blocks:
     num_seqs = offsets.shape[0] - 1
     lengths = jnp.maximum(offsets[1:] - offsets[:-1], 0)
     seq_first = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(-(-lengths // block)).astype(jnp.int32)])
     count = max((total + num_seqs * (block - 1)) // block, 1)  # >= sum of ceil(length / block)
     ids = jnp.arange(count, dtype=jnp.int32)
     seq = jnp.clip(jnp.searchsorted(seq_first[1:], ids, side="right"), 0, num_seqs - 1)
-    first = offsets[seq] + (ids - seq_first[seq]) * block
     used = ids < seq_first[-1]
-    first = jnp.where(used, first, 0)
-    end = jnp.where(used, jnp.minimum(first + block, offsets[seq + 1]), 0)
-    return KeyBlocks(first.astype(jnp.int32), end.astype(jnp.int32), seq_first)
+    start = jnp.where(used, offsets[seq], 0)
+    end = jnp.where(used, offsets[seq + 1], 0)
+    first = jnp.where(used, start + (ids - seq_first[seq]) * block, 0)
+    as32 = lambda x: x.astype(jnp.int32)  # noqa: E731
+    return Blocks(as32(first), as32(jnp.minimum(first + block, end)), as32(start), as32(end), seq_first)
 
 
 def clean_selection(block_indices, block_counts, row_info: Rows, block: int, causal: bool) -> jax.Array:
@@ -85,13 +97,13 @@ class PairLists(NamedTuple):
     """The selection transposed: per (KV head, key block), the rows that selected it.
 
     tokens[offsets[h, b] : offsets[h, b + 1]] are the rows, ascending, whose selection for KV
-    head h holds key block b (a KeyBlocks id)."""
+    head h holds key block b (a Blocks id)."""
 
     tokens: jax.Array  # [HKV * N * S] int32
     offsets: jax.Array  # [HKV, num key blocks + 1] int32
 
 
-def selection_by_key_block(selected: jax.Array, row_info: Rows, blocks: KeyBlocks) -> PairLists:
+def selection_by_key_block(selected: jax.Array, row_info: Rows, blocks: Blocks) -> PairLists:
     """Transpose cleaned selections [N, HKV, S] (clean_selection) into pair lists, on device:
     number every (row, entry) pair by its key block, stable-sort by that number, and find each
     block's range by binary search. Deterministic: no atomics, rows stay in ascending order."""
@@ -105,3 +117,42 @@ def selection_by_key_block(selected: jax.Array, row_info: Rows, blocks: KeyBlock
     offsets = jax.vmap(lambda k: jnp.searchsorted(k, bounds, side="left"))(keys).astype(jnp.int32)
     offsets = offsets + (jnp.arange(heads_kv, dtype=jnp.int32) * (total * entries))[:, None]
     return PairLists(tokens.reshape(-1), offsets)
+
+
+class TransposedTable(NamedTuple):
+    """A static branch's block table read by key block: row kb lists the query blocks whose
+    table rows hold kb, ascending, with that entry's full flag and atom bits."""
+
+    query_blocks: np.ndarray  # [num key blocks, width] int32, -1 padded
+    counts: np.ndarray  # [num key blocks] int32
+    full: np.ndarray  # [num key blocks, width] int8
+    atom_bits: np.ndarray  # [num key blocks, width] int32
+
+
+@functools.lru_cache(maxsize=64)
+def transposed_table(static: StaticKeys, block_size: int, causal: bool, seq_len: int) -> TransposedTable:
+    """The transpose of the table dispatch.block_table builds for (static, block_size, causal, seq_len)."""
+    from .dispatch import block_table  # the runtime's cache of tables; dispatch never imports this module
+
+    indices, counts, full, atom_bits = block_table(static, block_size, causal, seq_len)
+    used = np.arange(indices.shape[1])[None, :] < counts[:, None]
+    query_block = np.broadcast_to(np.arange(indices.shape[0], dtype=np.int32)[:, None], indices.shape)[used]
+    key_block, entry_full, entry_bits = indices[used], full[used], atom_bits[used]
+    order = np.argsort(key_block, kind="stable")  # within a key block, query blocks stay ascending
+    key_block, query_block, entry_full, entry_bits = (x[order] for x in (key_block, query_block, entry_full, entry_bits))
+    num_key_blocks = -(-seq_len // block_size)
+    per_key = np.bincount(key_block, minlength=num_key_blocks).astype(np.int32)
+    width = max(int(per_key.max(initial=0)), 1)
+    column = np.arange(key_block.size) - np.repeat(np.cumsum(per_key) - per_key, per_key)
+    table = TransposedTable(
+        np.full((num_key_blocks, width), -1, np.int32),
+        per_key,
+        np.zeros((num_key_blocks, width), np.int8),
+        np.zeros((num_key_blocks, width), np.int32),
+    )
+    table.query_blocks[key_block, column] = query_block
+    table.full[key_block, column] = entry_full
+    table.atom_bits[key_block, column] = entry_bits
+    for array in table:
+        array.setflags(write=False)
+    return table
