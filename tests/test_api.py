@@ -179,5 +179,8 @@ def test_check_pattern_report():
     assert report.ok and report.seq_len == 100 and report.max_error < 1e-4, str(report)
     assert "max relative error" in str(report)
     assert check_pattern(selection_plan(16), 64).ok
-    refused = check_pattern(lower(nsa_dsl.compile(EXAMPLES / "nsa.nsa").pattern), 64)
+    nsa = check_pattern(lower(nsa_dsl.compile(EXAMPLES / "nsa.nsa").pattern), 300)
+    assert nsa.ok and nsa.max_error < 1e-4, str(nsa)
+    learned = nsa_dsl.compile("pattern p\nblock 16\nbranch c = compress(block=16, pool=learned)\n")
+    refused = check_pattern(learned.plan, 64)
     assert not refused.ok and "not checked" in str(refused)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import itertools
 
 import jax
-import jinja2
 import numpy as np
 import pytest
 
@@ -148,7 +147,6 @@ def test_schedule_bounds_the_working_set():
 
 def test_plans_without_a_kernel_are_refused():
     plan = lower(dsl.load_pattern("pattern p\nblock 64\ncausal\nbranch cmp = compress(block=32, stride=16) gate g_cmp\n"))
+    check_supported(plan, "xla")
     with pytest.raises(NotImplementedError, match="CompressBranch"):
-        check_supported(plan, "xla")
-    with pytest.raises(jinja2.UndefinedError, match="no_kernel_for_compress"):
-        codegen.source("xla", plan)
+        check_supported(plan, "triton")

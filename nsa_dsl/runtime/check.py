@@ -1,8 +1,10 @@
 """`nsa-compile --check`: a generated kernel against a dense float64 reference on random data.
 
 The reference (`reference_output`) is written from the language's semantics, not from kernel
-code: the pattern oracle's token mask (static branches) or the explicit selection rule (select
-branches), dense softmax attention over it in numpy float64, branches summed with their gates.
+code: the pattern oracle's token mask (static branches), the explicit selection rule (select
+branches), mean-pooled compressed keys (compress branches) and the top-k rule over their
+probabilities (topk branches); dense softmax attention in numpy float64, branches summed with
+their gates.
 It is quadratic in T: for checks and examples at small lengths. The test suite keeps its own,
 separate reference (tests/reference.py).
 """
@@ -90,10 +92,61 @@ def reference_output(plan: p.Plan, q, k, v, *, gates=None, softmax_scale=None, b
         elif isinstance(branch, p.SelectBranch):
             counts = np.broadcast_to(np.asarray(block_counts), np.shape(block_indices)[:3])
             mask = selection_mask(np.asarray(block_indices), counts, branch.block)
+        elif isinstance(branch, p.CompressBranch):
+            k_cmp, v_cmp, visible = compressed(branch, k, v)
+            out += weight * dense_attention(q, k_cmp, v_cmp, visible, scale)
+            continue
         else:
-            raise NotImplementedError(f"no dense reference for {type(branch).__name__} branches")
+            chosen = top_blocks(branch, plan.branch(branch.score), q, k, scale)
+            mask = selection_mask(chosen, np.full(chosen.shape[:3], branch.count), branch.block)
         out += weight * dense_attention(q, k, v, mask, scale)
     return out
+
+
+def compressed(branch: p.CompressBranch, k, v):
+    """Mean-pooled keys and values [B, C, HKV, D] and which queries see them [1, 1, T, C]."""
+    seq_len = k.shape[1]
+    count = (seq_len - branch.block) // branch.stride + 1 if seq_len >= branch.block else 0
+    starts = np.arange(count) * branch.stride
+    k_cmp, v_cmp = (np.stack([x[:, s : s + branch.block].mean(axis=1) for s in starts], axis=1).reshape(
+        x.shape[0], count, *x.shape[2:]) for x in (np.asarray(k, np.float64), np.asarray(v, np.float64)))
+    visible = starts[None, :] + branch.block - 1 <= np.arange(seq_len)[:, None]
+    return k_cmp, v_cmp, visible[None, None]
+
+
+def top_blocks(branch: p.TopKBranch, score: p.CompressBranch, q, k, scale) -> np.ndarray:
+    """[B, T, HKV, count] blocks a top-k branch selects, -1 unused: importance of selection
+    block j = compression probabilities of the compressed blocks overlapping it, weighted by
+    the stride units they share, summed over the KV group's heads (and the queries of a
+    `per block` group); forced blocks first, then the best valid ones, lower ids on ties."""
+    k_cmp, _, visible = compressed(score, k, k)
+    batch, seq_len, heads_q, _ = q.shape
+    heads_kv = k.shape[2]
+    group = heads_q // heads_kv
+    logits = np.einsum("bthd,bchd->bhtc", np.asarray(q, np.float64), np.repeat(k_cmp, group, axis=2)) * scale
+    logits = np.where(visible, logits, -np.inf)
+    top = logits.max(axis=-1, keepdims=True)
+    probs = np.exp(logits - np.where(np.isfinite(top), top, 0.0))
+    probs /= np.maximum(probs.sum(axis=-1, keepdims=True), 1e-300)
+    num_sel = -(-seq_len // branch.block)
+    first = np.arange(k_cmp.shape[1])[:, None] * score.stride
+    shared = np.minimum(first + score.block, (np.arange(num_sel)[None, :] + 1) * branch.block) - np.maximum(
+        first, np.arange(num_sel)[None, :] * branch.block)
+    importance = probs @ (np.maximum(shared, 0) / score.stride)  # [B, HQ, T, num_sel]
+    importance = importance.reshape(batch, heads_kv, group, seq_len, num_sel).sum(axis=2)
+    groups = np.arange(seq_len) // branch.query_block
+    importance = np.stack([importance[:, :, groups == g].sum(axis=2) for g in groups], axis=2)
+    last = np.minimum((groups + 1) * branch.query_block, seq_len) - 1  # each query's group's last query
+    valid = np.arange(num_sel)[None, :] <= (last // branch.block)[:, None]  # [T, num_sel]
+    forced = np.zeros_like(valid)
+    if branch.force is not None:
+        keys = oracle.token_mask(branch.force, branch.block, True, seq_len)  # block-level: any key of a block
+        forced = keys[last][:, np.minimum(np.arange(num_sel) * branch.block, seq_len - 1)] & valid
+    ranked = np.where(valid, np.where(forced, np.inf, importance), -np.inf)  # [B, HKV, T, num_sel]
+    order = np.argsort(-ranked, axis=-1, kind="stable")[..., : branch.count]  # stable: lower ids on ties
+    chosen = np.where(np.take_along_axis(ranked, order, axis=-1) > -np.inf, order, -1)
+    chosen = np.pad(chosen, [(0, 0)] * 3 + [(0, branch.count - chosen.shape[-1])], constant_values=-1)
+    return chosen.transpose(0, 2, 1, 3)
 
 
 def check_pattern(plan: p.Plan, seq_len: int, *, platform: str = "xla", tolerance: float = 1e-4, seed: int = 0) -> CheckReport:
@@ -101,6 +154,9 @@ def check_pattern(plan: p.Plan, seq_len: int, *, platform: str = "xla", toleranc
         check_supported(plan, platform)
     except NotImplementedError as err:
         return CheckReport(False, seq_len, reason=str(err))
+    learned = [b.name for b in plan.branches if isinstance(b, p.CompressBranch) and b.pool == "learned"]
+    if learned:
+        return CheckReport(False, seq_len, reason=f"branches {learned} pool with a function only the caller has")
     seq_len = min(seq_len, MAX_CHECK_LEN)
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((_BATCH, seq_len, _HEADS_Q, _HEAD_DIM)).astype(np.float32)
