@@ -1,10 +1,12 @@
 """Train a tiny language model whose attention is a compiled nsa_dsl pattern, on CPU.
 
-    python examples/train_step.py [--steps 80]
+    python examples/train_step.py [--steps 80] [--attention window|nsa]
 
 The model is an embedding (tokens plus learned positions), one attention layer (grouped-query,
-the generated XLA kernel of a sliding-window pattern), an MLP and a next-token loss, trained
-with Adam under jax.jit and jax.grad. The data are random 8-token motifs repeated along each
+the generated XLA kernel of a sliding-window pattern, or of Native Sparse Attention: compression,
+top-k selection and a sliding window, combined by gates computed from the layer's input by a
+linear layer and a sigmoid, as in the paper), an MLP and a next-token loss, trained with Adam
+under jax.jit and jax.grad. The data are random 8-token motifs repeated along each
 sequence: the next token is the one 8 positions back, inside the window, so attention can
 learn to fetch it and the loss falls (to about 0.25: a motif's first 8 tokens are random).
 """
@@ -32,6 +34,18 @@ causal
 branch main = window(window)
 """
 
+# Native Sparse Attention at this model's scale: compressed blocks of 8 tokens every 4, the 3
+# best 16-token blocks (always the first and the query's own), and a 16-token window.
+NSA_PATTERN = """
+pattern nsa_small
+block 16
+causal
+branch cmp = compress(block=8, stride=4) gate g_cmp
+branch slc = topk(3, block=16, score=cmp, force=global(first=1) | local(1)) gate g_slc
+branch swa = window(16) gate g_swa
+"""
+GATES = ("g_cmp", "g_slc", "g_swa")
+
 
 def init_params(key: jax.Array) -> dict:
     shapes = {
@@ -43,6 +57,7 @@ def init_params(key: jax.Array) -> dict:
         "wo": (HEADS_Q * HEAD_DIM, MODEL_DIM),
         "w1": (MODEL_DIM, MLP_DIM),
         "w2": (MLP_DIM, MODEL_DIM),
+        "wg": (MODEL_DIM, len(GATES) * HEADS_Q),  # gate logits per branch and query head
     }
     keys = jax.random.split(key, len(shapes))
     return {name: jax.random.normal(k, shape) / np.sqrt(shape[0]) for k, (name, shape) in zip(keys, shapes.items())}
@@ -59,7 +74,11 @@ def logits_of(params: dict, tokens: jax.Array, attention: nsa_dsl.SparseAttentio
     q = (h @ params["wq"]).reshape(batch, seq_len, HEADS_Q, HEAD_DIM)
     k = (h @ params["wk"]).reshape(batch, seq_len, HEADS_KV, HEAD_DIM)
     v = (h @ params["wv"]).reshape(batch, seq_len, HEADS_KV, HEAD_DIM)
-    x = x + attention(q, k, v).reshape(batch, seq_len, HEADS_Q * HEAD_DIM) @ params["wo"]
+    gates = {}
+    if any(gate.name in GATES for gate in attention.plan.gates):
+        logits = (h @ params["wg"]).reshape(batch, seq_len, len(GATES), HEADS_Q)
+        gates = {name: jax.nn.sigmoid(logits[:, :, i]) for i, name in enumerate(GATES)}
+    x = x + attention(q, k, v, **gates).reshape(batch, seq_len, HEADS_Q * HEAD_DIM) @ params["wo"]
     x = x + jax.nn.gelu(layer_norm(x) @ params["w1"]) @ params["w2"]
     return layer_norm(x) @ params["embed"].T
 
@@ -89,9 +108,10 @@ def batches(rng: np.random.Generator):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--attention", choices=("window", "nsa"), default="window")
     args = parser.parse_args()
 
-    attention = nsa_dsl.compile(PATTERN)
+    attention = nsa_dsl.compile(PATTERN if args.attention == "window" else NSA_PATTERN)
 
     @jax.jit
     def train_step(params, state, tokens, step):
