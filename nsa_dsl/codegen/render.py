@@ -100,6 +100,8 @@ def render(template: str, **context: object) -> str:
 
 
 def template_texts(backend: str) -> str:
-    """All template text of a backend, for cache keys: editing a template invalidates entries."""
-    root = templates_dir() / backend
-    return "".join(f"{p.relative_to(root)}\n{p.read_text()}" for p in sorted(root.rglob("*.j2")))
+    """Template text a backend's modules are rendered from, for cache keys: editing a template
+    invalidates entries. Backends import each other's macros (triton renders token masks with
+    xla/mask.j2), so every backend's key covers every template; `backend` names the entry."""
+    root = templates_dir()
+    return backend + "".join(f"\n{p.relative_to(root)}\n{p.read_text()}" for p in sorted(root.rglob("*.j2")))

@@ -90,6 +90,11 @@ def next_power_of_two(n: int, minimum: int = 1) -> int:
     return max(1 << max(n - 1, 0).bit_length(), minimum)
 
 
+def power_of_two_at_most(n: int) -> int:
+    """The largest power of two <= n (n >= 1)."""
+    return 1 << (n.bit_length() - 1)
+
+
 def launch(
     kernel,
     grid: tuple[int, ...],
@@ -103,8 +108,9 @@ def launch(
 ) -> list[jax.Array]:
     """Run `kernel` on `grid`. inputs: arrays and Python ints/floats, in the kernel's parameter
     order; outputs: shapes and dtypes of the output buffers that follow them (those listed in
-    `zeroed` start as zeros, the others with undefined contents); constants: the kernel's
-    constexpr parameters. Returns the output arrays."""
+    `zeroed` start as zeros, the others with undefined contents: NaN in the interpreter, so that
+    tests catch an element a kernel fails to write); constants: the kernel's constexpr
+    parameters. Returns the output arrays."""
     outputs = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outputs]
     if on_gpu():
         import jax_triton
@@ -121,7 +127,7 @@ def launch(
         )
         return list(result)
     arrays = [x for x in inputs if not _is_scalar(x)]
-    callback = functools.partial(_interpret, kernel, grid, tuple(inputs), tuple(outputs), constants)
+    callback = functools.partial(_interpret, kernel, grid, tuple(inputs), tuple(outputs), tuple(zeroed), constants)
     return list(jax.pure_callback(callback, outputs, *arrays, vmap_method="sequential"))
 
 
@@ -133,14 +139,20 @@ def _is_scalar(x) -> bool:
 _interpreting = threading.Lock()
 
 
-def _interpret(kernel, grid, inputs, outputs, constants, *arrays):
+def _interpret(kernel, grid, inputs, outputs, zeroed, constants, *arrays):
     """The host side of `launch` without a GPU: run the kernel in the interpreter on numpy buffers."""
     host = iter(arrays)
     args = [x if _is_scalar(x) else HostBuffer(np.ascontiguousarray(next(host))) for x in inputs]
-    results = [np.zeros(o.shape, o.dtype) for o in outputs]
+    results = [np.zeros(o.shape, o.dtype) if i in zeroed else _unwritten(o) for i, o in enumerate(outputs)]
     with _interpreting:
         kernel[grid](*args, *(HostBuffer(r) for r in results), **constants)
     return results
+
+
+def _unwritten(output: jax.ShapeDtypeStruct) -> np.ndarray:
+    """A fresh output buffer that betrays elements nobody writes: NaN, or -1 for integers."""
+    fill = np.nan if np.issubdtype(output.dtype, np.floating) else -1
+    return np.full(output.shape, fill, output.dtype)
 
 
 class HostBuffer:

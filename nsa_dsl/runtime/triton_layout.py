@@ -74,8 +74,8 @@ def sequence_blocks(offsets: jax.Array, total: int, block: int) -> Blocks:
     start = jnp.where(used, offsets[seq], 0)
     end = jnp.where(used, offsets[seq + 1], 0)
     first = jnp.where(used, start + (ids - seq_first[seq]) * block, 0)
-    as32 = lambda x: x.astype(jnp.int32)  # noqa: E731
-    return Blocks(as32(first), as32(jnp.minimum(first + block, end)), as32(start), as32(end), seq_first)
+    first, end_row, start, end = (x.astype(jnp.int32) for x in (first, jnp.minimum(first + block, end), start, end))
+    return Blocks(first, end_row, start, end, seq_first)
 
 
 def clean_selection(block_indices, block_counts, row_info: Rows, block: int, causal: bool) -> jax.Array:

@@ -1,0 +1,458 @@
+"""GPU check of the Triton backend: correctness against float64 references, then timings.
+
+Run on a machine with a GPU build of jax, triton and jax-triton, from the repository root:
+
+    PYTHONPATH=. python benchmarks/gpu_check.py [--out DIR] [--lengths 8192,32768,65536] [--dtypes ...]
+        [--only CASE,...] [--skip-correctness] [--skip-timing] [--tune T]
+
+1. Correctness: explicit per-token selection through `nsa_dsl.native_sparse_attention(...,
+   platform="triton")` (jax-triton kernels) in bfloat16, float16 and float32 on small random
+   problems — odd lengths, head dims 60/64/100/128/192, GQA groups 1/3/4/16, per-token
+   block_counts, out-of-range and repeated entries, cu_seqlens — forward and the gradients of
+   q, k, v and the gate, each against tests/reference.py's float64 dense reference; the same for
+   static patterns (window + global, nested set algebra bidirectional, two gated branches on
+   packed sequences). Reported as max |error| / max |reference| per output.
+2. Timing at the issue's setting: B=1, HQ=64, HKV=4, D=128, 16 selected blocks of 64, bfloat16,
+   random per-token selections (sorted, distinct, causal block ids), T = 8k/32k/64k: forward and
+   forward+backward, median milliseconds of jitted calls (block_until_ready), next to the figures
+   the issue measured for flash-linear-attention's parallel_nsa on the same H200; then a
+   512-token sliding window (a static branch) next to the issue's cuDNN figures.
+3. With --tune T: where the time of a selection call goes, and each kernel's tile size and
+   launch settings, at length T.
+
+Every case runs in its own try/except: a failure is printed and recorded, and the run goes on.
+Results go to stdout as tables and to DIR/gpu_check.json (DIR: --out, else $OUT, else .).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+import zlib
+from importlib import metadata
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import nsa_dsl  # noqa: E402
+from tests import reference  # noqa: E402
+
+# flash-linear-attention's parallel_nsa on the same H200, from issue 4 (median ms).
+FLA_MS = {
+    "fwd": {8192: 2.51, 32768: 10.42, 65536: 21.23},
+    "fwdbwd": {8192: 9.63, 32768: 35.5, 65536: 70.1},
+}
+# max |error| / max |reference| allowed per dtype (float32 runs in full-precision tl.dot).
+TOLERANCE = {"float32": 2e-4, "float16": 2e-2, "bfloat16": 4e-2}
+
+
+def log(*parts) -> None:
+    print(*parts, flush=True)
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version(), "devices": [str(d) for d in jax.devices()]}
+    for name in ("jax", "jaxlib", "triton", "jax-triton", "numpy"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "none"
+    return out
+
+
+# ---- correctness ------------------------------------------------------------------------------
+
+CORRECTNESS_CASES = [
+    # name, B, T, HQ, HKV, D, S, block, cu_seqlens
+    ("mha d64", 2, 111, 4, 4, 64, 4, 16, None),
+    ("gqa3 d60", 1, 257, 6, 2, 60, 5, 32, None),
+    ("gqa4 d100", 1, 200, 8, 2, 100, 3, 64, None),
+    ("gqa16 d128", 1, 300, 16, 1, 128, 4, 64, None),
+    ("gqa4 d192", 1, 130, 8, 2, 192, 3, 32, None),
+    ("varlen gqa4 d64", 1, 700, 8, 2, 64, 6, 32, [0, 15, 205, 550, 690]),
+]
+
+
+def random_problem(rng, B, T, HQ, HKV, D, S, block, cu):
+    q = rng.standard_normal((B, T, HQ, D), dtype=np.float32)
+    k = rng.standard_normal((B, T, HKV, D), dtype=np.float32)
+    v = rng.standard_normal((B, T, HKV, D), dtype=np.float32)
+    gate = rng.uniform(0.1, 1.0, (B, T, HQ)).astype(np.float32)
+    # ids from -1 to past the causal limit: some entries out of range, some repeated
+    indices = rng.integers(-1, -(-T // block) + 1, (B, T, HKV, S)).astype(np.int32)
+    counts = rng.integers(0, S + 1, (B, T, HKV)).astype(np.int32)
+    d_out = rng.standard_normal((B, T, HQ, D), dtype=np.float32)
+    return q, k, v, gate, indices, counts, d_out
+
+
+def check_case(name, dtype, B, T, HQ, HKV, D, S, block, cu) -> dict:
+    rng = np.random.default_rng(zlib.crc32(f"{name} {dtype}".encode()))
+    q, k, v, gate, indices, counts, d_out = random_problem(rng, B, T, HQ, HKV, D, S, block, cu)
+    cfg = nsa_dsl.NativeSparseAttentionConfig(block_size=block)
+    cast = lambda x: jnp.asarray(x, dtype)  # noqa: E731
+    # the reference sees the same rounded inputs as the kernels
+    q, k, v, gate, d_out = (np.asarray(cast(x), np.float64) for x in (q, k, v, gate, d_out))
+    cu_arg = None if cu is None else np.asarray(cu, np.int32)
+
+    def f(q, k, v, gate):
+        return nsa_dsl.native_sparse_attention(q, k, v, None, gate, indices, counts, cu_arg, platform="triton", cfg=cfg)
+
+    out, vjp = jax.vjp(jax.jit(f), cast(q), cast(k), cast(v), cast(gate))
+    grads = vjp(cast(d_out))
+    mask = reference.selection_mask(indices, counts, block, cu)
+    scale = 1.0 / math.sqrt(D)
+    expected_out = reference.forward(q, k, v, [mask], [gate], scale)
+    expected = reference.gradients(q, k, v, [mask], [gate], scale, d_out)
+    pairs = {
+        "o": (out, expected_out),
+        "dq": (grads[0], expected["q"]),
+        "dk": (grads[1], expected["k"]),
+        "dv": (grads[2], expected["v"]),
+        "dgate": (grads[3], expected["gates"][0]),
+    }
+    return relative_errors(pairs)
+
+
+def static_pattern(name):
+    """Static patterns for the correctness table: (SparseAttention, gate names it is given)."""
+    from nsa_dsl.api import SparseAttention
+    from nsa_dsl.dsl import model
+    from nsa_dsl.plan import lower
+
+    W, L, S, G, R = model.Window, model.Local, model.Stride, model.Global, model.Random
+    patterns = {
+        "window+global": (64, True, [(model.Union((W(200), G(1))), model.Gate("g_swa", None))]),
+        "nested bidir": (32, False, [(model.Difference(model.Union((L(2, 1), G(1), R(2, 3))), model.Intersection((S(2, 1), W(40, 40)))), None)]),
+        "two gated": (64, True, [(W(100), model.Gate("g_swa", None)), (model.Intersection((W(400), S(2))), model.Gate("g_slc", None))]),
+    }
+    block, causal, branches = patterns[name]
+    pattern = model.Pattern("check", block, causal, (), tuple(model.Branch(f"b{i}", keys, g) for i, (keys, g) in enumerate(branches)))
+    return SparseAttention(pattern, lower(pattern)), [g.name for _, g in branches if g is not None]
+
+
+STATIC_CASES = [
+    # name, B, T, HQ, HKV, D, cu_seqlens
+    ("window+global", 1, 555, 8, 2, 64, None),
+    ("nested bidir", 2, 300, 6, 2, 100, None),
+    ("two gated", 1, 700, 16, 1, 128, [0, 15, 205, 550, 690]),
+]
+
+
+def check_static_case(name, dtype, B, T, HQ, HKV, D, cu) -> dict:
+    rng = np.random.default_rng(zlib.crc32(f"{name} {dtype}".encode()))
+    attention, gate_names = static_pattern(name)
+    q, k, v, _, _, _, d_out = random_problem(rng, B, T, HQ, HKV, D, 1, 64, cu)
+    gates = {n: rng.uniform(0.1, 1.0, (B, T, HQ)).astype(np.float32) for n in gate_names}
+    cast = lambda x: jnp.asarray(x, dtype)  # noqa: E731
+    q, k, v, d_out = (np.asarray(cast(x), np.float64) for x in (q, k, v, d_out))
+    gates = {n: np.asarray(cast(g), np.float64) for n, g in gates.items()}
+    cu_arg = None if cu is None else np.asarray(cu, np.int32)
+
+    def f(q, k, v, *gate_values):
+        return attention(q, k, v, cu_seqlens=cu_arg, platform="triton", **dict(zip(gate_names, gate_values)))
+
+    out, vjp = jax.vjp(jax.jit(f), cast(q), cast(k), cast(v), *(cast(gates[n]) for n in gate_names))
+    grads = vjp(cast(d_out))
+    plan = attention.plan
+    masks = [reference.static_mask(b.static, plan.block_size, plan.causal, B, T, cu) for b in plan.branches]
+    branch_gates = [None if b.gate is None else gates[b.gate.name] for b in plan.branches]
+    scale = 1.0 / math.sqrt(D)
+    expected = reference.gradients(q, k, v, masks, branch_gates, scale, d_out)
+    pairs = {
+        "o": (out, reference.forward(q, k, v, masks, branch_gates, scale)),
+        "dq": (grads[0], expected["q"]),
+        "dk": (grads[1], expected["k"]),
+        "dv": (grads[2], expected["v"]),
+    }
+    if gate_names:
+        pairs["dgate"] = (grads[3], next(g for g in expected["gates"] if g is not None))
+    return relative_errors(pairs)
+
+
+def relative_errors(pairs) -> dict:
+    errors = {}
+    for key, (got, want) in pairs.items():
+        got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
+        finite = np.isfinite(got).all()
+        errors[key] = float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)) if finite else float("inf")
+    return errors
+
+
+def run_correctness(dtypes, only=None) -> list[dict]:
+    log("\n== correctness: triton platform vs float64 reference (max |error| / max |reference|) ==")
+    log(f"{'case':<18} {'dtype':<9} {'o':>9} {'dq':>9} {'dk':>9} {'dv':>9} {'dgate':>9}  verdict")
+    cases = [("selection", case) for case in CORRECTNESS_CASES] + [("static", case) for case in STATIC_CASES]
+    cases = [(kind, case) for kind, case in cases if only is None or case[0] in only]
+    rows = []
+    for dtype in dtypes:
+        for kind, case in cases:
+            if kind == "selection":
+                name, B, T, HQ, HKV, D, S, block, cu = case
+                shape = dict(B=B, T=T, HQ=HQ, HKV=HKV, D=D, S=S, block=block, cu_seqlens=cu)
+                check = functools.partial(check_case, name, jnp.dtype(dtype), B, T, HQ, HKV, D, S, block, cu)
+            else:
+                name, B, T, HQ, HKV, D, cu = case
+                shape = dict(B=B, T=T, HQ=HQ, HKV=HKV, D=D, cu_seqlens=cu)
+                check = functools.partial(check_static_case, name, jnp.dtype(dtype), B, T, HQ, HKV, D, cu)
+            row = {"kind": kind, "case": name, "dtype": dtype, "shape": shape}
+            try:
+                started = time.perf_counter()
+                errors = check()
+                row["errors"] = errors
+                row["seconds"] = time.perf_counter() - started
+                row["ok"] = all(e <= TOLERANCE[dtype] for e in errors.values())
+                cells = " ".join(f"{errors[k]:9.2e}" if k in errors else f"{'-':>9}" for k in ("o", "dq", "dk", "dv", "dgate"))
+                log(f"{name:<18} {dtype:<9} {cells}  {'ok' if row['ok'] else 'FAIL'} ({row['seconds']:.1f} s)")
+            except Exception as err:  # noqa: BLE001 - report and go on
+                row["ok"] = False
+                row["error"] = f"{type(err).__name__}: {err}"
+                log(f"{name:<18} {dtype:<9} ERROR {row['error'][:300]}")
+                traceback.print_exc()
+            rows.append(row)
+    return rows
+
+
+# ---- timing -----------------------------------------------------------------------------------
+
+
+def random_selection(key, T, HKV, S, block, chunk=4096):
+    """[1, T, HKV, S] sorted distinct causal block ids per token (fewer than S valid -> -1 pads
+    at the end), drawn on device a chunk of tokens at a time."""
+
+    @jax.jit
+    def draw(key, first):
+        tokens = first + jnp.arange(chunk)
+        num_blocks = -(-T // block)
+        scores = jax.random.uniform(key, (chunk, HKV, num_blocks))
+        allowed = jnp.arange(num_blocks)[None, None, :] <= (tokens // block)[:, None, None]
+        scores = jnp.where(allowed, scores, -1.0)
+        top, ids = jax.lax.top_k(scores, S)
+        ids = jnp.where(top >= 0, ids, jnp.iinfo(jnp.int32).max)
+        ids = jnp.sort(ids, axis=-1)
+        return jnp.where(ids == jnp.iinfo(jnp.int32).max, -1, ids).astype(jnp.int32)
+
+    parts = [draw(jax.random.fold_in(key, i), i * chunk) for i in range(-(-T // chunk))]
+    return jnp.concatenate(parts)[:T][None]
+
+
+def median_ms(fn, *args, repeats: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(times)
+
+
+def run_timing(lengths, HQ=64, HKV=4, D=128, S=16, block=64, dtype="bfloat16") -> list[dict]:
+    log(f"\n== timing: selection, B=1 HQ={HQ} HKV={HKV} D={D} S={S} block={block} {dtype} ==")
+    log(f"{'T':>7} {'mode':<7} {'ours ms':>9} {'FLA ms':>8} {'FLA/ours':>9}")
+    cfg = nsa_dsl.NativeSparseAttentionConfig(block_size=block)
+    rows = []
+    for T in lengths:
+        try:
+            key = jax.random.PRNGKey(T)
+            kq, kk, kv, ks, kd = jax.random.split(key, 5)
+            q = jax.random.normal(kq, (1, T, HQ, D), dtype)
+            k = jax.random.normal(kk, (1, T, HKV, D), dtype)
+            v = jax.random.normal(kv, (1, T, HKV, D), dtype)
+            d_out = jax.random.normal(kd, (1, T, HQ, D), dtype)
+            indices = random_selection(ks, T, HKV, S, block)
+        except Exception as err:  # noqa: BLE001
+            log(f"{T:>7} inputs ERROR {type(err).__name__}: {err}")
+            rows.append({"T": T, "error": f"{type(err).__name__}: {err}"})
+            continue
+
+        def forward(q, k, v, indices):
+            return nsa_dsl.native_sparse_attention(q, k, v, None, None, indices, S, platform="triton", cfg=cfg)
+
+        def forward_backward(q, k, v, indices, d_out):
+            out, vjp = jax.vjp(lambda q, k, v: forward(q, k, v, indices), q, k, v)
+            return out, vjp(d_out)
+
+        modes = {
+            "fwd": (jax.jit(forward), (q, k, v, indices)),
+            "fwdbwd": (jax.jit(forward_backward), (q, k, v, indices, d_out)),
+        }
+        for mode, (fn, args) in modes.items():
+            row = {"T": T, "mode": mode, "HQ": HQ, "HKV": HKV, "D": D, "S": S, "block": block, "dtype": dtype}
+            try:
+                repeats = 20 if T <= 32768 else 10
+                row["ms"] = median_ms(fn, *args, repeats=repeats)
+                fla = FLA_MS[mode].get(T)
+                row["fla_ms"] = fla
+                ratio = f"{fla / row['ms']:9.2f}" if fla else f"{'-':>9}"
+                log(f"{T:>7} {mode:<7} {row['ms']:9.2f} {fla if fla else '-':>8} {ratio}")
+            except Exception as err:  # noqa: BLE001
+                row["error"] = f"{type(err).__name__}: {err}"
+                log(f"{T:>7} {mode:<7} ERROR {row['error'][:300]}")
+                traceback.print_exc()
+            rows.append(row)
+    return rows
+
+
+# cuDNN dense attention with a 512-token window, and FlexAttention, on the same H200 (issue 4).
+WINDOW_MS = {"cudnn": {8192: 0.39, 32768: 1.45, 65536: 3.15}, "flex": {8192: 0.53, 32768: 2.59, 65536: 5.24}}
+
+
+def run_window_timing(lengths, HQ=64, HKV=4, D=128, window=512, dtype="bfloat16") -> list[dict]:
+    log(f"\n== timing: sliding window {window} (static branch), B=1 HQ={HQ} HKV={HKV} D={D} {dtype} ==")
+    log(f"{'T':>7} {'mode':<7} {'ours ms':>9} {'cuDNN ms':>9} {'cuDNN/ours':>11}")
+    attention = nsa_dsl.compile(f"pattern swa\nblock 64\ncausal\nbranch main = window({window})\n")
+    rows = []
+    for T in lengths:
+        key = jax.random.PRNGKey(T)
+        kq, kk, kv, kd = jax.random.split(key, 4)
+        q = jax.random.normal(kq, (1, T, HQ, D), dtype)
+        k = jax.random.normal(kk, (1, T, HKV, D), dtype)
+        v = jax.random.normal(kv, (1, T, HKV, D), dtype)
+        d_out = jax.random.normal(kd, (1, T, HQ, D), dtype)
+
+        def forward(q, k, v):
+            return attention(q, k, v, platform="triton")
+
+        def forward_backward(q, k, v, d_out):
+            out, vjp = jax.vjp(forward, q, k, v)
+            return out, vjp(d_out)
+
+        for mode, fn, args in (("fwd", forward, (q, k, v)), ("fwdbwd", forward_backward, (q, k, v, d_out))):
+            row = {"T": T, "mode": mode, "window": window}
+            try:
+                row["ms"] = median_ms(jax.jit(fn), *args, repeats=20 if T <= 32768 else 10)
+                cudnn = WINDOW_MS["cudnn"].get(T) if mode == "fwd" else None
+                ratio = f"{cudnn / row['ms']:11.2f}" if cudnn else f"{'-':>11}"
+                log(f"{T:>7} {mode:<7} {row['ms']:9.2f} {cudnn if cudnn else '-':>9} {ratio}")
+            except Exception as err:  # noqa: BLE001
+                row["error"] = f"{type(err).__name__}: {err}"
+                log(f"{T:>7} {mode:<7} ERROR {row['error'][:300]}")
+                traceback.print_exc()
+            rows.append(row)
+    return rows
+
+
+# ---- tuning -----------------------------------------------------------------------------------
+
+
+def run_tuning(T, HQ=64, HKV=4, D=128, S=16, block=64, dtype="bfloat16") -> dict:
+    """Launch settings of each selection kernel, and where the time of a call goes, at one length."""
+    from nsa_dsl import api, codegen
+    from nsa_dsl.runtime import triton_layout
+
+    log(f"\n== tuning at T={T}: B=1 HQ={HQ} HKV={HKV} D={D} S={S} block={block} {dtype} ==")
+    module = codegen.load_module("triton", api.selection_plan(block), nsa_dsl.NativeSparseAttentionConfig(block_size=block))
+    key = jax.random.PRNGKey(1)
+    kq, kk, kv, ks, kd = jax.random.split(key, 5)
+    q = jax.random.normal(kq, (T, HQ, D), dtype)
+    k = jax.random.normal(kk, (T, HKV, D), dtype)
+    v = jax.random.normal(kv, (T, HKV, D), dtype)
+    d_out = jax.random.normal(kd, (T, HQ, D), dtype)
+    indices = random_selection(ks, T, HKV, S, block)[0]
+    counts = jnp.full((T, HKV), S, jnp.int32)
+    scale = jnp.full((1,), 1.0 / math.sqrt(D), jnp.float32)
+    offsets = triton_layout.sequence_offsets(None, 1, T)
+    spec = module.Selection(block, HKV, HQ // HKV, D, S)
+
+    def clean(indices):
+        return triton_layout.clean_selection(indices, counts, triton_layout.rows(offsets, T), block, causal=True)
+
+    selected = jax.jit(clean)(indices)
+
+    def forward(q, k, v, selected):
+        return module._selection_forward(spec, q, k, v, scale, selected, offsets)
+
+    def backward(residuals, d_out):
+        return module._selection_backward(spec, residuals, d_out)[:3]
+
+    def pair_lists(selected):
+        rows = triton_layout.rows(offsets, T)
+        return triton_layout.selection_by_key_block(selected, rows, triton_layout.sequence_blocks(offsets, T, block))
+
+    residuals = jax.jit(forward)(q, k, v, selected)[1]
+    result = {"T": T, "breakdown": {}, "settings": []}
+    parts = {
+        "clean_selection": (clean, (indices,)),
+        "forward (kernel + rows)": (lambda *a: forward(*a)[0], (q, k, v, selected)),
+        "pair lists (sort)": (pair_lists, (selected,)),
+        "backward (dq + pairs + dkdv)": (backward, (residuals, d_out)),
+    }
+    for name, (fn, args) in parts.items():
+        try:
+            ms = median_ms(jax.jit(fn), *args, repeats=10)
+            result["breakdown"][name] = ms
+            log(f"  {name:<30} {ms:8.2f} ms")
+        except Exception as err:  # noqa: BLE001
+            log(f"  {name:<30} ERROR {type(err).__name__}: {err}")
+    # Each kernel in turn, the others at their defaults: its tile size (STEP_KEYS for the
+    # per-token kernels, PAIR_ROWS for dk/dv) and launch settings.
+    default = dict(module.LAUNCH)
+    tiles = {"selection_forward": "STEP_KEYS", "selection_backward_dq": "STEP_KEYS", "selection_backward_dkdv": "PAIR_ROWS"}
+    log(f"  {'kernel':<26} {'tile':>14} {'warps':>5} {'stages':>6} {'ms':>8}")
+    for kernel, tile in tiles.items():
+        timed, args = (forward, (q, k, v, selected)) if kernel == "selection_forward" else (backward, (residuals, d_out))
+        default_tile = getattr(module, tile)
+        for size in (64, 128, 256) if tile == "STEP_KEYS" else (32, 64, 128):
+            setattr(module, tile, size)
+            for warps in (4, 8):
+                for stages in (1, 2, 3):
+                    module.LAUNCH[kernel] = (warps, stages)
+                    setting = {"kernel": kernel, tile: size, "num_warps": warps, "num_stages": stages}
+                    try:
+                        # a new function object each time: jit must trace again under the new settings
+                        setting["ms"] = median_ms(jax.jit(functools.partial(timed)), *args, repeats=5, warmup=1)
+                        log(f"  {kernel:<26} {tile + '=' + str(size):>14} {warps:>5} {stages:>6} {setting['ms']:8.2f}")
+                    except Exception as err:  # noqa: BLE001
+                        setting["error"] = f"{type(err).__name__}: {str(err)[:200]}"
+                        log(f"  {kernel:<26} {tile + '=' + str(size):>14} {warps:>5} {stages:>6} ERROR {setting['error']}")
+                    result["settings"].append(setting)
+        setattr(module, tile, default_tile)
+        module.LAUNCH[kernel] = default[kernel]
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for gpu_check.json")
+    parser.add_argument("--lengths", default="8192,32768,65536", help="comma-separated T for the timings")
+    parser.add_argument("--dtypes", default="bfloat16,float16,float32", help="dtypes of the correctness table")
+    parser.add_argument("--only", help="comma-separated names of the correctness cases to run (default: all)")
+    parser.add_argument("--skip-correctness", action="store_true")
+    parser.add_argument("--skip-timing", action="store_true")
+    parser.add_argument("--tune", type=int, default=0, metavar="T", help="also time launch settings at length T")
+    args = parser.parse_args()
+
+    info = versions()
+    log("versions:", json.dumps(info))
+    if jax.default_backend() != "gpu":
+        log("warning: jax has no GPU here; the triton platform runs in the interpreter (slow)")
+    result = {"versions": info, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if not args.skip_correctness:
+        result["correctness"] = run_correctness(args.dtypes.split(","), args.only.split(",") if args.only else None)
+    if not args.skip_timing:
+        lengths = [int(t) for t in args.lengths.split(",")]
+        result["timing"] = run_timing(lengths)
+        result["window_timing"] = run_window_timing(lengths)
+    if args.tune:
+        result["tuning"] = run_tuning(args.tune)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "gpu_check.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    log(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()

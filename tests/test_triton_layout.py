@@ -1,0 +1,86 @@
+"""The index arrays the Triton kernels read (nsa_dsl.runtime.triton_layout), against direct
+loops over their definitions: sequence rows, key blocks of packed sequences, cleaned
+selections and the selection transposed into per-key-block lists."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from nsa_dsl.runtime import triton_layout
+
+CU_SEQLENS = [0, 15, 40, 61]  # rows 61.. of a 64-row batch belong to no sequence
+TOTAL = 64
+BLOCK = 16
+
+
+def sequence_of(row):
+    for n, (start, end) in enumerate(zip(CU_SEQLENS[:-1], CU_SEQLENS[1:])):
+        if start <= row < end:
+            return n, start, end
+    return None
+
+
+def test_rows_of_packed_sequences():
+    rows = triton_layout.rows(triton_layout.sequence_offsets(np.array(CU_SEQLENS), 1, TOTAL), TOTAL)
+    for row in range(TOTAL):
+        found = sequence_of(row)
+        if found is None:
+            assert rows.pos[row] == -1
+        else:
+            _, start, end = found
+            assert (rows.start[row], rows.end[row], rows.pos[row]) == (start, end, row - start)
+
+
+def test_key_blocks_never_cross_a_sequence():
+    offsets = triton_layout.sequence_offsets(np.array(CU_SEQLENS), 1, TOTAL)
+    blocks = triton_layout.sequence_blocks(offsets, TOTAL, BLOCK)
+    expected = [(0, 15), (15, 31), (31, 40), (40, 56), (56, 61)]
+    got = list(zip(np.asarray(blocks.first_row).tolist(), np.asarray(blocks.end_row).tolist()))
+    assert got[: len(expected)] == expected
+    assert all(first == end for first, end in got[len(expected):])  # padding blocks are empty
+    assert np.asarray(blocks.seq_first).tolist() == [0, 1, 3, 5]
+
+
+def test_clean_selection_keeps_exactly_the_entries_that_count(rng):
+    heads_kv, width = 2, 5
+    indices = rng.integers(-2, 5, (TOTAL, heads_kv, width)).astype(np.int32)
+    counts = rng.integers(0, width + 1, (TOTAL, heads_kv)).astype(np.int32)
+    offsets = triton_layout.sequence_offsets(np.array(CU_SEQLENS), 1, TOTAL)
+    rows = triton_layout.rows(offsets, TOTAL)
+    for causal in (True, False):
+        cleaned = np.asarray(triton_layout.clean_selection(indices, counts, rows, BLOCK, causal))
+        for row in range(TOTAL):
+            found = sequence_of(row)
+            for h in range(heads_kv):
+                seen = set()
+                for e in range(width):
+                    block = int(indices[row, h, e])
+                    if found is None or e >= counts[row, h] or block < 0 or block in seen:
+                        keep = False
+                    else:
+                        _, start, end = found
+                        last = row - start if causal else end - start - 1
+                        keep = block <= last // BLOCK
+                    seen.add(block)
+                    assert cleaned[row, h, e] == (block if keep else -1), (row, h, e, causal)
+
+
+def test_pair_lists_are_the_selection_transposed(rng):
+    heads_kv, width = 3, 4
+    offsets = triton_layout.sequence_offsets(np.array(CU_SEQLENS), 1, TOTAL)
+    rows = triton_layout.rows(offsets, TOTAL)
+    indices = rng.integers(-1, 3, (TOTAL, heads_kv, width)).astype(np.int32)
+    cleaned = triton_layout.clean_selection(indices, np.full((TOTAL, heads_kv), width, np.int32), rows, BLOCK, True)
+    blocks = triton_layout.sequence_blocks(offsets, TOTAL, BLOCK)
+    pairs = triton_layout.selection_by_key_block(cleaned, rows, blocks)
+    tokens, bounds = np.asarray(pairs.tokens), np.asarray(pairs.offsets)
+    cleaned, seq_first = np.asarray(cleaned), np.asarray(blocks.seq_first)
+    for h in range(heads_kv):
+        for b in range(blocks.count):
+            expected = [
+                row
+                for row in range(TOTAL)
+                for e in range(width)
+                if cleaned[row, h, e] >= 0 and seq_first[sequence_of(row)[0]] + cleaned[row, h, e] == b
+            ]
+            assert tokens[bounds[h, b] : bounds[h, b + 1]].tolist() == expected, (h, b)
