@@ -7,6 +7,8 @@ import zlib
 import numpy as np
 import pytest
 
+from nsa_dsl.plan import plan as p
+
 # float32 kernels against the float64 reference: accumulation error only.
 FORWARD_TOLERANCE = 2e-5
 GRADIENT_TOLERANCE = 1e-4
@@ -42,6 +44,37 @@ def qkv(rng: np.random.Generator, batch: int, seq_len: int, heads_q: int, heads_
 
 def gate(rng: np.random.Generator, batch: int, seq_len: int, heads_q: int) -> np.ndarray:
     return rng.uniform(0.25, 1.5, (batch, seq_len, heads_q)).astype(np.float32)
+
+
+def random_indices(rng, batch, seq_len, heads_kv, width, block, cu_seqlens=None):
+    """Block ids mostly in range for each token's own sequence, some negative or past it, and
+    repeats (drawn from a small range)."""
+    first = np.zeros(seq_len, dtype=np.int64)
+    if cu_seqlens is not None:
+        for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+            first[start:end] = start
+    pos = np.arange(seq_len) - first
+    own = rng.integers(0, pos // block + 1, (batch, heads_kv, width, seq_len)).transpose(0, 3, 1, 2)
+    noise = rng.integers(-3, seq_len // block + 3, own.shape)
+    return np.where(rng.random(own.shape) < 0.8, own, noise).astype(np.int32)
+
+
+def mask_value(expr: p.MaskExpr, q_pos, k_pos, atom_bits) -> np.ndarray:
+    """The token mask IR (nsa_dsl/plan/plan.py) in numpy, as a kernel evaluates it on a tile;
+    arguments broadcast against each other."""
+    shape = np.broadcast_shapes(np.shape(q_pos), np.shape(k_pos), np.shape(atom_bits))
+    match expr:
+        case p.TokenWindow(left, right):
+            return np.broadcast_to((k_pos > q_pos - left) & (k_pos <= q_pos + right), shape)
+        case p.AtomBit(index):
+            return np.broadcast_to((np.asarray(atom_bits) >> index) & 1 == 1, shape)
+        case p.AnyOf(parts):
+            return np.logical_or.reduce([mask_value(x, q_pos, k_pos, atom_bits) for x in parts])
+        case p.AllOf(parts):
+            return np.logical_and.reduce([mask_value(x, q_pos, k_pos, atom_bits) for x in parts])
+        case p.Without(left, right):
+            return mask_value(left, q_pos, k_pos, atom_bits) & ~mask_value(right, q_pos, k_pos, atom_bits)
+    raise TypeError(expr)
 
 
 def relative_error(actual, expected) -> float:

@@ -181,7 +181,7 @@ SEMANTIC = [
     ),
     (
         HEAD + "branch b = compress(16, pool=maen)",
-        "compress() pool must be one of: mean",
+        "compress() pool must be one of: mean, learned",
         3,
         30,
         "did you mean 'mean'?",

@@ -14,21 +14,7 @@ from nsa_dsl.plan import build_block_table, lower_keys, token_mask
 from nsa_dsl.plan import plan as p
 from nsa_dsl.plan import sampling
 
-
-def _mask_value(expr: p.MaskExpr, t: np.ndarray, s: np.ndarray, bits: int) -> np.ndarray:
-    """The token mask IR evaluated on one tile, as a kernel would."""
-    match expr:
-        case p.TokenWindow(left, right):
-            return (s > t - left) & (s <= t + right)
-        case p.AtomBit(index):
-            return np.full(np.broadcast_shapes(t.shape, s.shape), bool((bits >> index) & 1))
-        case p.AnyOf(parts):
-            return np.logical_or.reduce([_mask_value(x, t, s, bits) for x in parts])
-        case p.AllOf(parts):
-            return np.logical_and.reduce([_mask_value(x, t, s, bits) for x in parts])
-        case p.Without(left, right):
-            return _mask_value(left, t, s, bits) & ~_mask_value(right, t, s, bits)
-    raise TypeError(expr)
+from conftest import mask_value
 
 
 def mask_from_table(static: p.StaticKeys, block: int, causal: bool, seq_len: int) -> np.ndarray:
@@ -46,9 +32,9 @@ def mask_from_table(static: p.StaticKeys, block: int, causal: bool, seq_len: int
             s = np.arange(kb * block, min(kb * block + block, seq_len))[None, :]
             if table.full[qb, j]:
                 visible = np.ones((t.size, s.size), dtype=bool)
-                assert _mask_value(static.mask, t, s, int(table.atom_bits[qb, j])).all()
+                assert mask_value(static.mask, t, s, int(table.atom_bits[qb, j])).all()
             else:
-                visible = _mask_value(static.mask, t, s, int(table.atom_bits[qb, j]))
+                visible = mask_value(static.mask, t, s, int(table.atom_bits[qb, j]))
             if causal:
                 visible = visible & (s <= t)
             mask[t, s] |= visible

@@ -14,24 +14,11 @@ import pytest
 
 import nsa_dsl
 import reference
-from conftest import assert_close, gate, normal, qkv
+from conftest import assert_close, gate, normal, qkv, random_indices
 from nsa_dsl.runtime import resolve_platform
 
 # float16 kernels round p and ds to float16 before their matrix products.
 TOLERANCE = {np.float32: 2e-5, np.float16: 5e-3}
-
-
-def random_indices(rng, batch, seq_len, heads_kv, width, block, cu_seqlens=None):
-    """Block ids mostly in range for each token's own sequence, some negative or past it, and
-    repeats (drawn from a small range)."""
-    first = np.zeros(seq_len, dtype=np.int64)
-    if cu_seqlens is not None:
-        for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
-            first[start:end] = start
-    pos = np.arange(seq_len) - first
-    own = rng.integers(0, pos // block + 1, (batch, heads_kv, width, seq_len)).transpose(0, 3, 1, 2)
-    noise = rng.integers(-3, seq_len // block + 3, own.shape)
-    return np.where(rng.random(own.shape) < 0.8, own, noise).astype(np.int32)
 
 
 def selection(q, k, v, g_slc, indices, counts, block, cu_seqlens=None, scale=None):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import reference
-from conftest import FORWARD_TOLERANCE, GRADIENT_TOLERANCE, assert_close, gate, normal, qkv
+from conftest import FORWARD_TOLERANCE, GRADIENT_TOLERANCE, assert_close, gate, mask_value, normal, qkv
 from nsa_dsl import __version__, codegen, dsl
 from nsa_dsl.api import selection_plan
 from nsa_dsl.dsl import model
@@ -53,22 +53,6 @@ def test_header_and_plan_literal():
     compile(source, "<generated>", "exec")  # well-formed Python
 
 
-def evaluate(expr: p.MaskExpr, q_pos, k_pos, atom_bits) -> np.ndarray:
-    """The MaskExpr semantics of nsa_dsl/plan/plan.py, in numpy."""
-    match expr:
-        case p.TokenWindow(left, right):
-            return (k_pos > q_pos - left) & (k_pos <= q_pos + right)
-        case p.AtomBit(index):
-            return (atom_bits >> index) & 1 == 1
-        case p.AnyOf(parts):
-            return np.logical_or.reduce([evaluate(x, q_pos, k_pos, atom_bits) for x in parts])
-        case p.AllOf(parts):
-            return np.logical_and.reduce([evaluate(x, q_pos, k_pos, atom_bits) for x in parts])
-        case p.Without(left, right):
-            return evaluate(left, q_pos, k_pos, atom_bits) & ~evaluate(right, q_pos, k_pos, atom_bits)
-    raise TypeError(expr)
-
-
 @pytest.mark.parametrize(
     "keys",
     [
@@ -81,7 +65,7 @@ def test_rendered_token_mask_follows_the_mask_ir(keys):
     plan = lower(pattern(keys, causal=False))
     module = codegen.load_module("xla", plan)
     q_pos, k_pos, bits = (x.ravel() for x in np.meshgrid(np.arange(-2, 12), np.arange(-2, 12), np.arange(8), indexing="ij"))
-    expected = evaluate(plan.branches[0].static.mask, q_pos, k_pos, bits)
+    expected = mask_value(plan.branches[0].static.mask, q_pos, k_pos, bits)
     assert (np.asarray(module.mask_main(q_pos, k_pos, bits)) == expected).all()
 
 

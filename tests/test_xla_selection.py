@@ -11,19 +11,16 @@ import pytest
 
 import nsa_dsl
 import reference
-from conftest import BF16_TOLERANCE, FORWARD_TOLERANCE, GRADIENT_TOLERANCE, assert_close, gate, normal, qkv
-
-
-def random_indices(rng, batch, seq_len, heads_kv, width, block, cu_seqlens=None):
-    """Block ids mostly in range for each token's own sequence, some out of range both ways."""
-    first = np.zeros(seq_len, dtype=np.int64)
-    if cu_seqlens is not None:
-        for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
-            first[start:end] = start
-    pos = np.arange(seq_len) - first
-    own = rng.integers(0, pos // block + 1, (batch, heads_kv, width, seq_len)).transpose(0, 3, 1, 2)
-    noise = rng.integers(-3, seq_len // block + 3, own.shape)
-    return np.where(rng.random(own.shape) < 0.8, own, noise).astype(np.int32)
+from conftest import (
+    BF16_TOLERANCE,
+    FORWARD_TOLERANCE,
+    GRADIENT_TOLERANCE,
+    assert_close,
+    gate,
+    normal,
+    qkv,
+    random_indices,
+)
 
 
 def selection(q, k, v, g_slc, indices, counts, block, cu_seqlens=None, scale=None):
