@@ -12,7 +12,7 @@ from .config import NativeSparseAttentionConfig
 from .dsl import model
 from .plan import lower, lower_keys
 from .plan import plan as p
-from .runtime import attend, check_supported, resolve_platform, selections
+from .runtime import attend, check_supported, choose_platform, selections
 from .runtime.check import CheckReport, check_pattern
 
 __all__ = [
@@ -126,7 +126,7 @@ class SparseAttention:
     config: NativeSparseAttentionConfig | None = None
 
     def source(self, platform: str = "xla") -> str:
-        platform = resolve_platform(platform, self.config)
+        platform = choose_platform(self.plan, platform, self.config)
         check_supported(self.plan, platform)
         return codegen.source(platform, self.plan, self.config)
 

@@ -184,3 +184,18 @@ def test_check_pattern_report():
     learned = nsa_dsl.compile("pattern p\nblock 16\nbranch c = compress(block=16, pool=learned)\n")
     refused = check_pattern(learned.plan, 64)
     assert not refused.ok and "not checked" in str(refused)
+
+
+def test_automatic_platform_is_the_most_specialised_one_with_kernels_for_every_branch():
+    # Decided for a GPU without one: Triton has static and explicit-selection kernels, and
+    # compression/top-k plans fall back to XLA rather than failing.
+    from nsa_dsl.runtime import choose_platform
+
+    on_gpu = nsa_dsl.NativeSparseAttentionConfig(backend="gpu")
+    static = nsa_dsl.compile(EXAMPLES / "longformer.nsa").plan
+    nsa = nsa_dsl.compile(EXAMPLES / "nsa.nsa").plan
+    assert choose_platform(static, None, on_gpu) == "triton"
+    assert choose_platform(nsa, None, on_gpu) == "xla"
+    assert choose_platform(nsa, None, nsa_dsl.NativeSparseAttentionConfig(backend="cpu")) == "xla"
+    with pytest.raises(NotImplementedError, match="CompressBranch"):
+        nsa_dsl.compile(EXAMPLES / "nsa.nsa").source("triton")

@@ -1,6 +1,6 @@
 """The runtime: platform detection, input validation, host tables, dispatch to generated kernels."""
 
-from .dispatch import attend, block_table, branch_tables, check_supported, kernel, selections
+from .dispatch import attend, block_table, branch_tables, check_supported, choose_platform, kernel, selections, supports
 from .platform import available_platforms, resolve_platform
 
 __all__ = [
@@ -9,7 +9,9 @@ __all__ = [
     "block_table",
     "branch_tables",
     "check_supported",
+    "choose_platform",
     "kernel",
     "resolve_platform",
     "selections",
+    "supports",
 ]

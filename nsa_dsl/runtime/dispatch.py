@@ -19,6 +19,16 @@ from .platform import resolve_platform
 _KERNELS = {"xla": (p.StaticBranch, p.SelectBranch, p.CompressBranch, p.TopKBranch), "triton": (p.StaticBranch, p.SelectBranch)}
 
 
+def supports(plan: p.Plan, platform: str) -> bool:
+    return all(isinstance(branch, _KERNELS.get(platform, ())) for branch in plan.branches)
+
+
+def choose_platform(plan: p.Plan, requested: str | None, config: NativeSparseAttentionConfig | None) -> str:
+    """`requested` (or the config's) as resolve_platform checks it; automatically, the most
+    specialised available platform with kernels for every branch of the plan (XLA has all)."""
+    return resolve_platform(requested, config, runs=lambda platform: supports(plan, platform))
+
+
 def check_supported(plan: p.Plan, platform: str) -> None:
     """Raise NotImplementedError if `platform` has no kernel for one of the plan's branches."""
     kinds = _KERNELS.get(platform, ())
@@ -70,7 +80,7 @@ def selections(plan: p.Plan, query, key, value, *, cu_seqlens=None, softmax_scal
     if not any(isinstance(b, p.TopKBranch) for b in plan.branches):
         raise ValueError(f"pattern {plan.name!r} has no topk branch")
     query, key, value, shapes = validate.attention_inputs(query, key, value)
-    return entry(resolve_platform(platform, config), plan, config, "selections", pool_fns)(
+    return entry(choose_platform(plan, platform, config), plan, config, "selections", pool_fns)(
         query,
         key,
         value,
@@ -128,7 +138,7 @@ def attend(
         for name, given_value in (("block_indices", block_indices), ("block_counts", block_counts)):
             if given_value is not None:
                 raise ValueError(f"{name}: pattern {plan.name!r} has no branch that selects key blocks explicitly")
-    platform = resolve_platform(platform, config)
+    platform = choose_platform(plan, platform, config)
     tables = branch_tables(plan, shapes.seq_len)
     return entry(platform, plan, config, "attention", pool_fns)(
         query,

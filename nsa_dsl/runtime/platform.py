@@ -7,6 +7,8 @@ device jax runs on supports it: XLA runs everywhere, Triton needs a GPU, Pallas 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 
 from ..config import PLATFORMS, NativeSparseAttentionConfig
@@ -36,13 +38,18 @@ def available_platforms(config: NativeSparseAttentionConfig | None = None) -> tu
     return tuple(p for p in _PREFERENCE if device in _DEVICES[p] and has_generator(p))
 
 
-def resolve_platform(requested: str | None, config: NativeSparseAttentionConfig | None = None) -> str:
-    """The platform to run on: `requested`, else the config's, else the best available."""
+def resolve_platform(
+    requested: str | None,
+    config: NativeSparseAttentionConfig | None = None,
+    runs: Callable[[str], bool] = lambda platform: True,
+) -> str:
+    """The platform to run on: `requested`, else the config's, else the most specialised
+    available one that `runs` the work (a plan whose branches it has kernels for)."""
     if requested is None and config is not None:
         requested = config.platform
     usable = available_platforms(config)
     if requested is None or requested == "auto":
-        return usable[0]
+        return next((p for p in usable if runs(p)), usable[-1])
     if requested not in PLATFORMS:
         raise ValueError(f"platform must be one of {', '.join(PLATFORMS)}, 'auto' or None, got {requested!r}")
     interpreted = has_generator(requested) and device_kind(config) in _INTERPRETED.get(requested, ())
