@@ -7,6 +7,7 @@ import json
 import multiprocessing
 import multiprocessing.synchronize
 import os
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -224,3 +225,22 @@ def test_real_xla_module_is_cached_and_imported(tmp_path: Path, monkeypatch) -> 
     assert_valid_entry(path, cache.source("xla", p))
     assert f"nsa_dsl {cache.__version__}" in path.read_text()
     assert module.PLAN == p and callable(module.attention)
+
+
+def test_compiled_executables_persist_for_the_next_process(tmp_path):
+    """A pattern's compiled XLA executable lands in $NSA_DSL_CACHE_DIR/jax (JAX's persistent
+    compilation cache), so a new process loads it instead of compiling; NSA_DSL_JAX_CACHE=0
+    leaves JAX's configuration alone."""
+    script = (
+        "import numpy as np, nsa_dsl\n"
+        "attn = nsa_dsl.compile('pattern p\\nblock 16\\nbranch main = window(20) | global(first=1)\\n')\n"
+        "q = np.random.default_rng(0).standard_normal((1, 50, 2, 8), dtype=np.float32)\n"
+        "attn(q, q[:, :, :1], q[:, :, :1]).block_until_ready()\n"
+    )
+    for setting, expect_entries in (("1", True), ("0", False)):
+        cache = tmp_path / setting
+        env = {**os.environ, "NSA_DSL_CACHE_DIR": str(cache), "NSA_DSL_JAX_CACHE": setting,
+               "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")])}
+        subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=300)
+        entries = list((cache / "jax").glob("*")) if (cache / "jax").exists() else []
+        assert bool(entries) == expect_entries, (setting, entries)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Mapping
 
 import jax
@@ -71,7 +72,20 @@ def _nothing_forced(block: int, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
 def kernel(platform: str, plan: p.Plan, config: NativeSparseAttentionConfig | None, entry: str = "attention") -> Callable:
     """The generated module's jitted `entry` function for (platform, plan, config)."""
     check_supported(plan, platform)
+    use_compilation_cache()
     return jax.jit(getattr(codegen.load_module(platform, plan, config), entry))
+
+
+@functools.lru_cache(maxsize=1)
+def use_compilation_cache() -> None:
+    """Keep compiled executables on disk beside the generated modules, so that a new process
+    does not compile a pattern again: JAX's persistent compilation cache, under
+    $NSA_DSL_CACHE_DIR/jax, unless the application configured one (or NSA_DSL_JAX_CACHE=0).
+    Triton keeps its compiled kernels in its own disk cache."""
+    if os.environ.get("NSA_DSL_JAX_CACHE") == "0" or jax.config.jax_compilation_cache_dir:
+        return
+    jax.config.update("jax_compilation_cache_dir", str(codegen.cache_root() / "jax"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 def selections(plan: p.Plan, query, key, value, *, cu_seqlens=None, softmax_scale=None, platform=None, config=None,
