@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import numbers
 import os
 import warnings
 from dataclasses import dataclass
@@ -80,12 +81,13 @@ def native_sparse_attention(
     top `block_counts` (an int) causally valid blocks, always including the query's own, are
     attended; o = g_slc * o_slc + g_cmp * o_cmp.
     """
-    cfg = cfg if cfg is not None else NativeSparseAttentionConfig()
+    cfg = _config("cfg", cfg) or NativeSparseAttentionConfig()
     if g_cmp is not None:
         if block_indices is not None:
             warnings.warn("native_sparse_attention: block_indices are ignored when g_cmp is given (top-k selects the blocks)", stacklevel=2)
-        if isinstance(block_counts, bool) or not isinstance(block_counts, int) or block_counts < 1:
+        if isinstance(block_counts, bool) or not isinstance(block_counts, numbers.Integral) or block_counts < 1:
             raise ValueError(f"block_counts: with g_cmp it is the number of blocks top-k selects, a positive int; got {block_counts!r}")
+        block_counts = int(block_counts)
         return attend(
             compressed_selection_plan(cfg.block_size, block_counts),
             query,
@@ -125,7 +127,8 @@ class SparseAttention:
     plan: p.Plan
     config: NativeSparseAttentionConfig | None = None
 
-    def source(self, platform: str = "xla") -> str:
+    def source(self, platform: str | None = None) -> str:
+        """The generated module's source for `platform` (None: the one calls would run on)."""
         platform = choose_platform(self.plan, platform, self.config)
         check_supported(self.plan, platform)
         return codegen.source(platform, self.plan, self.config)
@@ -189,5 +192,12 @@ def compile(
     pattern's params (nsa_dsl.compile("longformer.nsa", window=1024)). Raises NsaSyntaxError or
     NsaSemanticError, located in the source, for bad text.
     """
+    config = _config("config", config)
     checked = dsl.load_pattern(path_or_source, name=pattern, overrides=params)
     return SparseAttention(checked, lower(checked), config)
+
+
+def _config(name: str, value: object) -> NativeSparseAttentionConfig | None:
+    if value is not None and not isinstance(value, NativeSparseAttentionConfig):
+        raise ValueError(f"{name} must be a nsa_dsl.NativeSparseAttentionConfig or None, got {type(value).__name__}")
+    return value

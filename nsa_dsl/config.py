@@ -28,11 +28,11 @@ class NativeSparseAttentionConfig:
     backend: str | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.block_size, int) or self.block_size < 1:
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"cfg.block_size must be a positive int, got {self.block_size!r}")
         for name in ("block_q", "block_k", "block_d", "num_warps", "num_stages"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"cfg.{name} must be a positive int or None, got {value!r}")
         if self.platform is not None and self.platform not in PLATFORMS + ("auto",):
             raise ValueError(f"cfg.platform must be one of {PLATFORMS + ('auto',)} or None, got {self.platform!r}")

@@ -15,6 +15,7 @@ import reference
 from conftest import FORWARD_TOLERANCE, assert_close, gate, qkv
 from nsa_dsl.api import check_pattern, selection_plan
 from nsa_dsl.plan import lower
+from nsa_dsl.runtime.check import reference_output
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -199,3 +200,18 @@ def test_automatic_platform_is_the_most_specialised_one_with_kernels_for_every_b
     assert choose_platform(nsa, None, nsa_dsl.NativeSparseAttentionConfig(backend="cpu")) == "xla"
     with pytest.raises(NotImplementedError, match="CompressBranch"):
         nsa_dsl.compile(EXAMPLES / "nsa.nsa").source("triton")
+
+
+@pytest.mark.parametrize("platform", ["xla", "triton"])
+def test_branch_names_cannot_clash_with_generated_names(rng, platform):
+    """Branch names reach generated code only as string keys and as suffixes of prefixed
+    functions, so names of the generated code's own variables and helpers are fine."""
+    names = ["table", "arrays", "out", "weight", "queries", "selection", "pooled", "selected", "transposed", "offsets"]
+    source = "pattern p\nblock 16\n" + "".join(
+        f"branch {name} = window({2 + i}) | global(first={1 + i % 2})\n" for i, name in enumerate(names)
+    )
+    attention = nsa_dsl.compile(source)
+    q, k, v = qkv(rng, 1, 40, 2, 1, 8)
+    out = attention(q, k, v, platform=platform)
+    expected = reference_output(attention.plan, q, k, v)
+    assert np.abs(np.asarray(out) - expected).max() <= 1e-4 * np.abs(expected).max()

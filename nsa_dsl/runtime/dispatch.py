@@ -49,16 +49,16 @@ def block_table(static: p.StaticKeys, block_size: int, causal: bool, seq_len: in
 
 
 def branch_tables(plan: p.Plan, seq_len: int) -> dict[str, tuple[np.ndarray, ...]]:
-    """The host tables of a plan's branches: a static branch's block table; a top-k branch's
-    forced blocks, as a table over selection blocks (empty when nothing is forced)."""
+    """The host tables of a plan's branches: a static branch's block table (indices, counts,
+    full, atom_bits); a top-k branch's forced blocks as (indices, counts) over selection blocks
+    (no entries when nothing is forced)."""
     tables = {}
     for branch in plan.branches:
         if isinstance(branch, p.StaticBranch):
             tables[branch.name] = block_table(branch.static, plan.block_size, plan.causal, seq_len)
         elif isinstance(branch, p.TopKBranch):
-            tables[branch.name] = (
-                block_table(branch.force, branch.block, True, seq_len) if branch.force is not None else _nothing_forced(branch.block, seq_len)
-            )
+            forced = block_table(branch.force, branch.block, True, seq_len) if branch.force is not None else None
+            tables[branch.name] = forced[:2] if forced is not None else _nothing_forced(branch.block, seq_len)
     return tables
 
 
@@ -145,9 +145,9 @@ def attend(
     given = validate.gates(gates or {}, declared, plan.name, shapes)
     cu = validate.cu_seqlens(cu_seqlens, shapes)
     scale = validate.softmax_scale(softmax_scale, shapes)
-    selections = [b for b in plan.branches if isinstance(b, p.SelectBranch)]
-    if selections:
-        block_indices, block_counts = validate.selection(block_indices, block_counts, shapes, selections[0].block, cu)
+    explicit = [b for b in plan.branches if isinstance(b, p.SelectBranch)]
+    if explicit:
+        block_indices, block_counts = validate.selection(block_indices, block_counts, shapes, explicit[0].block, cu)
     else:
         for name, given_value in (("block_indices", block_indices), ("block_counts", block_counts)):
             if given_value is not None:

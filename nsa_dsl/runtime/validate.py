@@ -62,10 +62,10 @@ def attention_inputs(query: object, key: object, value: object) -> tuple[jax.Arr
     if query.ndim != 4:
         raise ValueError(f"query must be [batch, seq_len, num_q_heads, head_dim], got shape {query.shape}")
     if query.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"query must be float32, bfloat16 or float16, got {query.dtype}")
+        raise ValueError(f"query must be float32, bfloat16, float16 or float64, got {query.dtype}")
     batch, seq_len, heads_q, head_dim = query.shape
-    if seq_len < 1 or heads_q < 1 or head_dim < 1:
-        raise ValueError(f"query must have a non-empty seq_len, num_q_heads and head_dim, got shape {query.shape}")
+    if batch < 1 or seq_len < 1 or heads_q < 1 or head_dim < 1:
+        raise ValueError(f"query must have a non-empty batch, seq_len, num_q_heads and head_dim, got shape {query.shape}")
     for name, x in (("key", key), ("value", value)):
         if x.ndim != 4:
             raise ValueError(f"{name} must be [batch, seq_len, num_kv_heads, head_dim], got shape {x.shape}")
