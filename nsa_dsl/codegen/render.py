@@ -57,9 +57,14 @@ def _safe(value: object) -> str:
 _MODULE_ALIAS = {model.__name__: "model", plan_module.__name__: "plan"}
 
 
-def plan_literal(value: object) -> Code:
+# Generated lines stay under this width: a literal that does not fit is split one field a line.
+_LINE_WIDTH = 100
+
+
+def plan_literal(value: object, indent: int = 0) -> Code:
     """A Python expression that rebuilds `value` (a plan or part of one) in generated code,
-    given `from nsa_dsl.dsl import model` and `from nsa_dsl.plan import plan`."""
+    given `from nsa_dsl.dsl import model` and `from nsa_dsl.plan import plan`; laid out one
+    field a line, indented from `indent`, where it does not fit on one line."""
     if value is None or isinstance(value, (bool, int, float)):
         return Code(_safe(value) if value is not None else "None")
     if isinstance(value, str):
@@ -67,16 +72,24 @@ def plan_literal(value: object) -> Code:
             raise UnsafeTemplateValue(f"refusing to render {value!r} into generated code")
         return Code(repr(value))
     if isinstance(value, tuple):
-        items = [plan_literal(v) for v in value]
-        return Code("(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")")
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        opening, closing, items = "(", ")", [("", item) for item in value]
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
         cls = type(value)
         alias = _MODULE_ALIAS.get(cls.__module__)
         if alias is None:
             raise UnsafeTemplateValue(f"{cls.__qualname__} is not part of a plan")
-        fields = ", ".join(f"{f.name}={plan_literal(getattr(value, f.name))}" for f in dataclasses.fields(value))
-        return Code(f"{alias}.{cls.__name__}({fields})")
-    raise UnsafeTemplateValue(f"refusing to render {value!r} ({type(value).__name__}) into generated code")
+        opening, closing = f"{alias}.{cls.__name__}(", ")"
+        items = [(f"{f.name}=", getattr(value, f.name)) for f in dataclasses.fields(value)]
+    else:
+        raise UnsafeTemplateValue(f"refusing to render {value!r} ({type(value).__name__}) into generated code")
+    flat = [f"{name}{plan_literal(item)}" for name, item in items]
+    trailing = "," if isinstance(value, tuple) and len(items) == 1 else ""
+    one_line = opening + ", ".join(flat) + trailing + closing
+    if indent + len(one_line) <= _LINE_WIDTH or not items:
+        return Code(one_line)
+    inner = " " * (indent + 4)
+    lines = [f"{inner}{name}{plan_literal(item, indent + 4)}," for name, item in items]
+    return Code(opening + "\n" + "\n".join(lines) + "\n" + " " * indent + closing)
 
 
 @functools.lru_cache(maxsize=None)

@@ -17,7 +17,7 @@ from . import validate
 from .platform import resolve_platform
 
 # Branch kinds each platform's templates implement.
-_KERNELS = {"xla": (p.StaticBranch, p.SelectBranch, p.CompressBranch, p.TopKBranch), "triton": (p.StaticBranch, p.SelectBranch)}
+_KERNELS = {"xla": (p.StaticBranch, p.SelectBranch, p.CompressBranch, p.TopKBranch), "triton": (p.StaticBranch, p.SelectBranch), "pallas": (p.SelectBranch,)}
 
 
 def supports(plan: p.Plan, platform: str) -> bool:

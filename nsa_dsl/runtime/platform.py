@@ -17,7 +17,7 @@ from ..resources import templates_dir
 _DEVICES = {"xla": ("cpu", "gpu", "tpu"), "triton": ("gpu",), "pallas": ("gpu", "tpu")}
 # Devices where a platform's kernels run in an interpreter (slow; for tests): used when asked
 # for by name, never picked automatically.
-_INTERPRETED = {"triton": ("cpu",)}
+_INTERPRETED = {"triton": ("cpu",), "pallas": ("cpu",)}
 _PREFERENCE = ("triton", "pallas", "xla")
 
 
