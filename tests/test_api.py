@@ -90,7 +90,6 @@ def _bad_calls():
         ("softmax_scale", dict(softmax_scale=np.ones(2, np.float32))),
         ("softmax_scale", dict(softmax_scale=float("inf"))),
         ("platform", dict(platform="cuda")),
-        ("platform", dict(platform="pallas")),
     ], dict(query=q, key=k, value=v, g_slc=None, block_indices=idx, block_counts=2, cu_seqlens=None)
 
 

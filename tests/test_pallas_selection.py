@@ -1,0 +1,174 @@
+"""The Pallas kernels for explicit per-token selection, run with interpret=True on the CPU (the
+same kernel functions pl.pallas_call lowers through Triton on a GPU), against the float64
+reference: forward and gradients of q, k, v and the gate, float32, float16 and bfloat16, odd
+lengths, head dims 16 and 24, GQA groups 1 and 3, per-token counts, out-of-range and repeated
+entries, packed sequences, rows with nothing to attend to, a traced softmax scale; the GPU's
+padded tile layouts in the interpreter, and the kernels lowered (not run) for CUDA.
+Interpreted programs run one at a time, so shapes are small."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import nsa_dsl
+import reference
+from conftest import BF16_TOLERANCE, FORWARD_TOLERANCE, GRADIENT_TOLERANCE, assert_close, gate, normal, qkv, random_indices
+from nsa_dsl import codegen
+from nsa_dsl.runtime import resolve_platform
+
+# (forward, gradients). float16 and bfloat16 kernels round p and ds to the input type before
+# their matrix products.
+TOLERANCE = {
+    np.float32: (FORWARD_TOLERANCE, GRADIENT_TOLERANCE),
+    np.float16: (5e-3, 5e-3),
+    jnp.bfloat16: (BF16_TOLERANCE, BF16_TOLERANCE),
+}
+
+
+def selection(q, k, v, g_slc, indices, counts, block, cu_seqlens=None, scale=None):
+    cfg = nsa_dsl.NativeSparseAttentionConfig(block_size=block)
+    return nsa_dsl.native_sparse_attention(
+        q, k, v, None, g_slc, indices, counts, cu_seqlens, softmax_scale=scale, platform="pallas", cfg=cfg
+    )
+
+
+def check_forward_and_gradients(rng, q, k, v, g_slc, indices, counts, block, cu_seqlens=None, attention=selection):
+    forward_tolerance, gradient_tolerance = TOLERANCE[q.dtype.type]
+    scale = 1.0 / np.sqrt(q.shape[-1])
+    mask = reference.selection_mask(indices, counts, block, cu_seqlens)
+    d_out = normal(rng, *q.shape).astype(q.dtype)
+    out, pullback = jax.vjp(lambda *a: attention(*a, indices, counts, block, cu_seqlens), q, k, v, g_slc)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert_close(out, reference.forward(q, k, v, [mask], [g_slc], scale), forward_tolerance, "output")
+
+    dq, dk, dv, dg = pullback(jnp.asarray(d_out))
+    expected = reference.gradients(q, k, v, [mask], [g_slc], scale, d_out)
+    for name, actual, wanted in (
+        ("dq", dq, expected["q"]),
+        ("dk", dk, expected["k"]),
+        ("dv", dv, expected["v"]),
+        ("dg_slc", dg, expected["gates"][0]),
+    ):
+        assert actual.dtype == q.dtype
+        assert_close(actual, wanted, gradient_tolerance, name)
+
+
+@pytest.mark.parametrize(
+    "dtype, batch, seq_len, heads_q, heads_kv, head_dim, width, block, per_token_counts",
+    [
+        (np.float32, 2, 37, 1, 1, 16, 3, 16, True),  # group 1, T not a multiple of the block
+        (np.float32, 1, 45, 6, 2, 24, 3, 8, True),  # group 3 over two KV heads, head dim not a power of two
+        (np.float32, 1, 40, 3, 1, 16, 5, 16, False),  # more entries than blocks: repeats everywhere
+        (jnp.bfloat16, 1, 37, 3, 1, 24, 3, 16, True),
+    ],
+)
+def test_forward_and_gradients(rng, dtype, batch, seq_len, heads_q, heads_kv, head_dim, width, block, per_token_counts):
+    q, k, v = qkv(rng, batch, seq_len, heads_q, heads_kv, head_dim, dtype=dtype)
+    indices = random_indices(rng, batch, seq_len, heads_kv, width, block)
+    counts = rng.integers(0, width + 1, (batch, seq_len, heads_kv)).astype(np.int32) if per_token_counts else width - 1
+    g_slc = gate(rng, batch, seq_len, heads_q).astype(dtype)
+    check_forward_and_gradients(rng, q, k, v, g_slc, indices, counts, block)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_packed_sequences(rng, dtype):
+    cu_seqlens = np.array([0, 15, 40, 61], dtype=np.int32)  # rows 61..63 belong to no sequence
+    q, k, v = qkv(rng, 1, 64, 3, 1, 24, dtype=dtype)
+    indices = random_indices(rng, 1, 64, 1, 3, 16, cu_seqlens)
+    counts = rng.integers(1, 4, (1, 64, 1)).astype(np.int32)
+    g_slc = gate(rng, 1, 64, 3).astype(dtype)
+    check_forward_and_gradients(rng, q, k, v, g_slc, indices, counts, 16, cu_seqlens)
+
+
+def test_power_of_two_tiles_of_the_gpu_lowering(rng, monkeypatch):
+    """On a GPU the group, head dim and block are padded to tiles of powers of two >= 16 (here
+    3, 24 and 8 become 16, 32 and 16): the same kernels on those layouts, in the interpreter."""
+    module = codegen.load_module("pallas", nsa_dsl.api.selection_plan(8))
+    monkeypatch.setattr(module, "POWER_OF_TWO_TILES", True)
+
+    def padded_tiles_attention(q, k, v, g_slc, indices, counts, block, cu_seqlens):
+        return module.attention(
+            q,
+            k,
+            v,
+            gates={"g_slc": g_slc},
+            tables={},
+            cu_seqlens=cu_seqlens,
+            softmax_scale=1.0 / np.sqrt(q.shape[-1]),
+            block_indices=jnp.asarray(indices),
+            block_counts=jnp.asarray(counts),
+        )
+
+    cu_seqlens = np.array([0, 13, 29], dtype=np.int32)
+    q, k, v = qkv(rng, 1, 29, 3, 1, 24)
+    indices = random_indices(rng, 1, 29, 1, 3, 8, cu_seqlens)
+    counts = rng.integers(0, 4, (1, 29, 1)).astype(np.int32)
+    g_slc = gate(rng, 1, 29, 3)
+    check_forward_and_gradients(rng, q, k, v, g_slc, indices, counts, 8, cu_seqlens, attention=padded_tiles_attention)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_kernels_lower_to_triton_for_a_gpu(rng, monkeypatch, dtype):
+    """Without a GPU here, lower (not run) forward and backward for CUDA: every kernel must go
+    through Pallas' Triton lowering (power-of-two tiles, supported primitives)."""
+    module = codegen.load_module("pallas", nsa_dsl.api.selection_plan(16))
+    monkeypatch.setattr(module, "ON_GPU", True)
+    monkeypatch.setattr(module, "POWER_OF_TWO_TILES", True)
+    q, k, v = (jnp.asarray(x, dtype) for x in qkv(rng, 1, 37, 6, 2, 24))
+    indices = jnp.asarray(random_indices(rng, 1, 37, 2, 3, 16))
+    counts = jnp.full((1, 37, 2), 3, jnp.int32)
+
+    def loss(q, k, v):
+        out = module.attention(
+            q, k, v, gates={}, tables={}, cu_seqlens=None, softmax_scale=0.2, block_indices=indices, block_counts=counts
+        )
+        return jnp.sum(out.astype(jnp.float32))
+
+    for function, kernels in ((loss, 1), (jax.grad(loss, argnums=(0, 1, 2)), 3)):
+        text = jax.jit(function).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("__gpu$xla.gpu.triton") == kernels
+
+
+def test_nothing_to_attend_gives_zeros_and_zero_gradients(rng):
+    q, k, v = qkv(rng, 1, 37, 2, 2, 16)
+    indices = random_indices(rng, 1, 37, 2, 3, 16)
+    indices[0, :20] = -1  # the first 20 tokens select nothing
+    indices[0, 20:25, :, :] = 99  # and these only blocks past their own
+    out, pullback = jax.vjp(lambda q, k, v: selection(q, k, v, None, indices, 3, 16), q, k, v)
+    assert np.all(np.asarray(out)[0, :25] == 0.0)
+    dq, dk, dv = pullback(jnp.asarray(normal(rng, *q.shape)))
+    assert all(np.isfinite(np.asarray(g)).all() for g in (dq, dk, dv))
+    assert np.all(np.asarray(dq)[0, :25] == 0.0)
+    mask = reference.selection_mask(indices, 3, 16)
+    assert_close(out, reference.forward(q, k, v, [mask], [None], 0.25), FORWARD_TOLERANCE, "output")
+
+
+def test_traced_softmax_scale_and_its_gradient(rng):
+    q, k, v = qkv(rng, 1, 33, 3, 1, 16)
+    indices = random_indices(rng, 1, 33, 1, 2, 16)
+    mask = reference.selection_mask(indices, 2, 16)
+    d_out = normal(rng, *q.shape)
+
+    def loss(q, scale):
+        return jnp.sum(selection(q, k, v, None, indices, 2, 16, scale=scale) * d_out)
+
+    value, (dq, d_scale) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(jnp.asarray(q), jnp.float32(0.3))
+    with jax.enable_x64(True):
+        q64, k64, v64, d64 = (jnp.asarray(x, jnp.float64) for x in (q, k, v, d_out))
+
+        def reference_loss(q, scale):
+            return jnp.sum(reference.attention(q, k64, v64, mask, scale, jnp) * d64)
+
+        want_value, (want_dq, want_d_scale) = jax.value_and_grad(reference_loss, argnums=(0, 1))(q64, 0.3)
+    assert abs(float(value) - float(want_value)) <= 1e-4 * abs(float(want_value))
+    assert_close(dq, want_dq, GRADIENT_TOLERANCE, "dq")
+    assert abs(float(d_scale) - float(want_d_scale)) <= 1e-4 * abs(float(want_d_scale))
+
+
+def test_pallas_runs_on_cpu_only_when_asked_for():
+    assert jax.default_backend() == "cpu"
+    assert resolve_platform("pallas") == "pallas"
+    assert resolve_platform(None) != "pallas"  # the interpreter is for tests, never picked by itself
