@@ -350,7 +350,7 @@ def run_window_timing(lengths, HQ=64, HKV=4, D=128, window=512, dtype="bfloat16"
 def run_tuning(T, HQ=64, HKV=4, D=128, S=16, block=64, dtype="bfloat16") -> dict:
     """Launch settings of each selection kernel, and where the time of a call goes, at one length."""
     from nsa_dsl import api, codegen
-    from nsa_dsl.runtime import triton_layout
+    from nsa_dsl.runtime import layout
 
     log(f"\n== tuning at T={T}: B=1 HQ={HQ} HKV={HKV} D={D} S={S} block={block} {dtype} ==")
     module = codegen.load_module("triton", api.selection_plan(block), nsa_dsl.NativeSparseAttentionConfig(block_size=block))
@@ -363,11 +363,11 @@ def run_tuning(T, HQ=64, HKV=4, D=128, S=16, block=64, dtype="bfloat16") -> dict
     indices = random_selection(ks, T, HKV, S, block)[0]
     counts = jnp.full((T, HKV), S, jnp.int32)
     scale = jnp.full((1,), 1.0 / math.sqrt(D), jnp.float32)
-    offsets = triton_layout.sequence_offsets(None, 1, T)
+    offsets = layout.sequence_offsets(None, 1, T)
     spec = module.Selection(block, HKV, HQ // HKV, D, S)
 
     def clean(indices):
-        return triton_layout.clean_selection(indices, counts, triton_layout.rows(offsets, T), block, causal=True)
+        return layout.clean_selection(indices, counts, layout.rows(offsets, T), block, causal=True)
 
     selected = jax.jit(clean)(indices)
 
@@ -378,8 +378,8 @@ def run_tuning(T, HQ=64, HKV=4, D=128, S=16, block=64, dtype="bfloat16") -> dict
         return module._selection_backward(spec, residuals, d_out)[:3]
 
     def pair_lists(selected):
-        rows = triton_layout.rows(offsets, T)
-        return triton_layout.selection_by_key_block(selected, rows, triton_layout.sequence_blocks(offsets, T, block))
+        rows = layout.rows(offsets, T)
+        return layout.selection_by_key_block(selected, rows, layout.sequence_blocks(offsets, T, block))
 
     residuals = jax.jit(forward)(q, k, v, selected)[1]
     result = {"T": T, "breakdown": {}, "settings": []}

@@ -1,4 +1,4 @@
-"""The index arrays the Triton kernels read (nsa_dsl.runtime.triton_layout), against direct
+"""The index arrays the Triton kernels read (nsa_dsl.runtime.layout), against direct
 loops over their definitions: sequence rows, key blocks of packed sequences, cleaned
 selections and the selection transposed into per-key-block lists."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from nsa_dsl.runtime import triton_layout
+from nsa_dsl.runtime import layout
 
 CU_SEQLENS = [0, 15, 40, 61]  # rows 61.. of a 64-row batch belong to no sequence
 TOTAL = 64
@@ -21,7 +21,7 @@ def sequence_of(row):
 
 
 def test_rows_of_packed_sequences():
-    rows = triton_layout.rows(triton_layout.sequence_offsets(np.array(CU_SEQLENS), 1, TOTAL), TOTAL)
+    rows = layout.rows(layout.sequence_offsets(np.array(CU_SEQLENS), 1, TOTAL), TOTAL)
     for row in range(TOTAL):
         found = sequence_of(row)
         if found is None:
@@ -32,8 +32,8 @@ def test_rows_of_packed_sequences():
 
 
 def test_key_blocks_never_cross_a_sequence():
-    offsets = triton_layout.sequence_offsets(np.array(CU_SEQLENS), 1, TOTAL)
-    blocks = triton_layout.sequence_blocks(offsets, TOTAL, BLOCK)
+    offsets = layout.sequence_offsets(np.array(CU_SEQLENS), 1, TOTAL)
+    blocks = layout.sequence_blocks(offsets, TOTAL, BLOCK)
     expected = [(0, 15), (15, 31), (31, 40), (40, 56), (56, 61)]
     got = list(zip(np.asarray(blocks.first_row).tolist(), np.asarray(blocks.end_row).tolist()))
     assert got[: len(expected)] == expected
@@ -45,10 +45,10 @@ def test_clean_selection_keeps_exactly_the_entries_that_count(rng):
     heads_kv, width = 2, 5
     indices = rng.integers(-2, 5, (TOTAL, heads_kv, width)).astype(np.int32)
     counts = rng.integers(0, width + 1, (TOTAL, heads_kv)).astype(np.int32)
-    offsets = triton_layout.sequence_offsets(np.array(CU_SEQLENS), 1, TOTAL)
-    rows = triton_layout.rows(offsets, TOTAL)
+    offsets = layout.sequence_offsets(np.array(CU_SEQLENS), 1, TOTAL)
+    rows = layout.rows(offsets, TOTAL)
     for causal in (True, False):
-        cleaned = np.asarray(triton_layout.clean_selection(indices, counts, rows, BLOCK, causal))
+        cleaned = np.asarray(layout.clean_selection(indices, counts, rows, BLOCK, causal))
         for row in range(TOTAL):
             found = sequence_of(row)
             for h in range(heads_kv):
@@ -67,12 +67,12 @@ def test_clean_selection_keeps_exactly_the_entries_that_count(rng):
 
 def test_pair_lists_are_the_selection_transposed(rng):
     heads_kv, width = 3, 4
-    offsets = triton_layout.sequence_offsets(np.array(CU_SEQLENS), 1, TOTAL)
-    rows = triton_layout.rows(offsets, TOTAL)
+    offsets = layout.sequence_offsets(np.array(CU_SEQLENS), 1, TOTAL)
+    rows = layout.rows(offsets, TOTAL)
     indices = rng.integers(-1, 3, (TOTAL, heads_kv, width)).astype(np.int32)
-    cleaned = triton_layout.clean_selection(indices, np.full((TOTAL, heads_kv), width, np.int32), rows, BLOCK, True)
-    blocks = triton_layout.sequence_blocks(offsets, TOTAL, BLOCK)
-    pairs = triton_layout.selection_by_key_block(cleaned, rows, blocks)
+    cleaned = layout.clean_selection(indices, np.full((TOTAL, heads_kv), width, np.int32), rows, BLOCK, True)
+    blocks = layout.sequence_blocks(offsets, TOTAL, BLOCK)
+    pairs = layout.selection_by_key_block(cleaned, rows, blocks)
     tokens, bounds = np.asarray(pairs.tokens), np.asarray(pairs.offsets)
     cleaned, seq_first = np.asarray(cleaned), np.asarray(blocks.seq_first)
     for h in range(heads_kv):

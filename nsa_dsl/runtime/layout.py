@@ -1,4 +1,5 @@
-"""Index arrays the Triton kernels read.
+"""Index arrays the kernels read (every backend: rows, the rule for which selection entries
+count, transposed selections and tables).
 
 Kernels address the batch as N = B * T packed rows ([N, H, D] views of q, k, v). A sequence is
 a range of rows [start, end): without cu_seqlens each batch row is one, with cu_seqlens they are
