@@ -89,3 +89,33 @@ def relative_error(actual, expected) -> float:
 def assert_close(actual, expected, tolerance: float, what: str = "") -> None:
     error = relative_error(actual, expected)
     assert error <= tolerance, f"{what}: relative error {error:.3e} > {tolerance:.1e}"
+
+
+def check_selection_against_reference(rng, attention, q, k, v, g_slc, indices, counts, block, cu_seqlens, tolerances):
+    """Forward and the gradients of q, k, v and the gate of an explicit-selection `attention`
+    (called as attention(q, k, v, g_slc, indices, counts, block, cu_seqlens)) against the
+    float64 reference; tolerances = (forward, gradients); outputs and gradients keep q's dtype."""
+    import jax
+    import jax.numpy as jnp
+
+    import reference
+
+    forward_tolerance, gradient_tolerance = tolerances
+    scale = 1.0 / np.sqrt(q.shape[-1])
+    mask = reference.selection_mask(indices, counts, block, cu_seqlens)
+    d_out = normal(rng, *q.shape).astype(q.dtype)
+    out, pullback = jax.vjp(lambda *a: attention(*a, indices, counts, block, cu_seqlens), q, k, v, g_slc)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert_close(out, reference.forward(q, k, v, [mask], [g_slc], scale), forward_tolerance, "output")
+
+    dq, dk, dv, dg = pullback(jnp.asarray(d_out))
+    expected = reference.gradients(q, k, v, [mask], [g_slc], scale, d_out)
+    for name, actual, wanted in (
+        ("dq", dq, expected["q"]),
+        ("dk", dk, expected["k"]),
+        ("dv", dv, expected["v"]),
+        ("dg_slc", dg, expected["gates"][0]),
+    ):
+        assert actual.dtype == q.dtype
+        assert_close(actual, wanted, gradient_tolerance, name)
+

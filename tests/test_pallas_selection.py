@@ -15,7 +15,17 @@ import pytest
 
 import nsa_dsl
 import reference
-from conftest import BF16_TOLERANCE, FORWARD_TOLERANCE, GRADIENT_TOLERANCE, assert_close, gate, normal, qkv, random_indices
+from conftest import (
+    BF16_TOLERANCE,
+    FORWARD_TOLERANCE,
+    GRADIENT_TOLERANCE,
+    assert_close,
+    check_selection_against_reference,
+    gate,
+    normal,
+    qkv,
+    random_indices,
+)
 from nsa_dsl import codegen
 from nsa_dsl.runtime import resolve_platform
 
@@ -36,24 +46,7 @@ def selection(q, k, v, g_slc, indices, counts, block, cu_seqlens=None, scale=Non
 
 
 def check_forward_and_gradients(rng, q, k, v, g_slc, indices, counts, block, cu_seqlens=None, attention=selection):
-    forward_tolerance, gradient_tolerance = TOLERANCE[q.dtype.type]
-    scale = 1.0 / np.sqrt(q.shape[-1])
-    mask = reference.selection_mask(indices, counts, block, cu_seqlens)
-    d_out = normal(rng, *q.shape).astype(q.dtype)
-    out, pullback = jax.vjp(lambda *a: attention(*a, indices, counts, block, cu_seqlens), q, k, v, g_slc)
-    assert out.dtype == q.dtype and out.shape == q.shape
-    assert_close(out, reference.forward(q, k, v, [mask], [g_slc], scale), forward_tolerance, "output")
-
-    dq, dk, dv, dg = pullback(jnp.asarray(d_out))
-    expected = reference.gradients(q, k, v, [mask], [g_slc], scale, d_out)
-    for name, actual, wanted in (
-        ("dq", dq, expected["q"]),
-        ("dk", dk, expected["k"]),
-        ("dv", dv, expected["v"]),
-        ("dg_slc", dg, expected["gates"][0]),
-    ):
-        assert actual.dtype == q.dtype
-        assert_close(actual, wanted, gradient_tolerance, name)
+    check_selection_against_reference(rng, attention, q, k, v, g_slc, indices, counts, block, cu_seqlens, TOLERANCE[q.dtype.type])
 
 
 @pytest.mark.parametrize(

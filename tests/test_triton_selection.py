@@ -14,7 +14,7 @@ import pytest
 
 import nsa_dsl
 import reference
-from conftest import assert_close, gate, normal, qkv, random_indices
+from conftest import assert_close, check_selection_against_reference, gate, normal, qkv, random_indices
 from nsa_dsl.runtime import resolve_platform
 
 # float16 kernels round p and ds to float16 before their matrix products.
@@ -30,23 +30,7 @@ def selection(q, k, v, g_slc, indices, counts, block, cu_seqlens=None, scale=Non
 
 def check_forward_and_gradients(rng, q, k, v, g_slc, indices, counts, block, cu_seqlens=None):
     tolerance = TOLERANCE[q.dtype.type]
-    scale = 1.0 / np.sqrt(q.shape[-1])
-    mask = reference.selection_mask(indices, counts, block, cu_seqlens)
-    d_out = normal(rng, *q.shape, dtype=q.dtype)
-    out, pullback = jax.vjp(lambda *a: selection(*a, indices, counts, block, cu_seqlens), q, k, v, g_slc)
-    assert out.dtype == q.dtype and out.shape == q.shape
-    assert_close(out, reference.forward(q, k, v, [mask], [g_slc], scale), tolerance, "output")
-
-    dq, dk, dv, dg = pullback(jnp.asarray(d_out))
-    expected = reference.gradients(q, k, v, [mask], [g_slc], scale, d_out)
-    for name, actual, wanted in (
-        ("dq", dq, expected["q"]),
-        ("dk", dk, expected["k"]),
-        ("dv", dv, expected["v"]),
-        ("dg_slc", dg, expected["gates"][0]),
-    ):
-        assert actual.dtype == q.dtype
-        assert_close(actual, wanted, tolerance, name)
+    check_selection_against_reference(rng, selection, q, k, v, g_slc, indices, counts, block, cu_seqlens, (tolerance, tolerance))
 
 
 @pytest.mark.parametrize(
