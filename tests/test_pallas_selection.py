@@ -2,8 +2,8 @@
 same kernel functions pl.pallas_call lowers through Triton on a GPU), against the float64
 reference: forward and gradients of q, k, v and the gate, float32, float16 and bfloat16, odd
 lengths, head dims 16 and 24, GQA groups 1 and 3, per-token counts, out-of-range and repeated
-entries, packed sequences, rows with nothing to attend to, a traced softmax scale; the GPU's
-padded tile layouts in the interpreter, and the kernels lowered (not run) for CUDA.
+entries, packed sequences; the GPU's padded tile layouts in the interpreter, and the kernels
+lowered (not run) for CUDA (what it shares with Triton is in test_interpreted_selection.py).
 Interpreted programs run one at a time, so shapes are small."""
 
 from __future__ import annotations
@@ -14,20 +14,16 @@ import numpy as np
 import pytest
 
 import nsa_dsl
-import reference
 from conftest import (
     BF16_TOLERANCE,
     FORWARD_TOLERANCE,
     GRADIENT_TOLERANCE,
-    assert_close,
     check_selection_against_reference,
     gate,
-    normal,
     qkv,
     random_indices,
 )
 from nsa_dsl import codegen
-from nsa_dsl.runtime import resolve_platform
 
 # (forward, gradients). float16 and bfloat16 kernels round p and ds to the input type before
 # their matrix products.
@@ -123,45 +119,3 @@ def test_kernels_lower_to_triton_for_a_gpu(rng, monkeypatch, dtype):
     for function, kernels in ((loss, 1), (jax.grad(loss, argnums=(0, 1, 2)), 3)):
         text = jax.jit(function).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("__gpu$xla.gpu.triton") == kernels
-
-
-def test_nothing_to_attend_gives_zeros_and_zero_gradients(rng):
-    q, k, v = qkv(rng, 1, 37, 2, 2, 16)
-    indices = random_indices(rng, 1, 37, 2, 3, 16)
-    indices[0, :20] = -1  # the first 20 tokens select nothing
-    indices[0, 20:25, :, :] = 99  # and these only blocks past their own
-    out, pullback = jax.vjp(lambda q, k, v: selection(q, k, v, None, indices, 3, 16), q, k, v)
-    assert np.all(np.asarray(out)[0, :25] == 0.0)
-    dq, dk, dv = pullback(jnp.asarray(normal(rng, *q.shape)))
-    assert all(np.isfinite(np.asarray(g)).all() for g in (dq, dk, dv))
-    assert np.all(np.asarray(dq)[0, :25] == 0.0)
-    mask = reference.selection_mask(indices, 3, 16)
-    assert_close(out, reference.forward(q, k, v, [mask], [None], 0.25), FORWARD_TOLERANCE, "output")
-
-
-def test_traced_softmax_scale_and_its_gradient(rng):
-    q, k, v = qkv(rng, 1, 33, 3, 1, 16)
-    indices = random_indices(rng, 1, 33, 1, 2, 16)
-    mask = reference.selection_mask(indices, 2, 16)
-    d_out = normal(rng, *q.shape)
-
-    def loss(q, scale):
-        return jnp.sum(selection(q, k, v, None, indices, 2, 16, scale=scale) * d_out)
-
-    value, (dq, d_scale) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(jnp.asarray(q), jnp.float32(0.3))
-    with jax.enable_x64(True):
-        q64, k64, v64, d64 = (jnp.asarray(x, jnp.float64) for x in (q, k, v, d_out))
-
-        def reference_loss(q, scale):
-            return jnp.sum(reference.attention(q, k64, v64, mask, scale, jnp) * d64)
-
-        want_value, (want_dq, want_d_scale) = jax.value_and_grad(reference_loss, argnums=(0, 1))(q64, 0.3)
-    assert abs(float(value) - float(want_value)) <= 1e-4 * abs(float(want_value))
-    assert_close(dq, want_dq, GRADIENT_TOLERANCE, "dq")
-    assert abs(float(d_scale) - float(want_d_scale)) <= 1e-4 * abs(float(want_d_scale))
-
-
-def test_pallas_runs_on_cpu_only_when_asked_for():
-    assert jax.default_backend() == "cpu"
-    assert resolve_platform("pallas") == "pallas"
-    assert resolve_platform(None) != "pallas"  # the interpreter is for tests, never picked by itself

@@ -2,20 +2,17 @@
 (the same @triton.jit functions jax-triton launches on a GPU), against the float64 reference:
 forward and gradients of q, k, v and the gate, float32 and float16, odd lengths, head dims
 32/60/64/100, GQA groups 1/3/4/16, per-token counts, out-of-range and repeated entries,
-packed sequences, rows with nothing to attend to. The interpreter runs one program at a time
-in Python, so shapes are small."""
+packed sequences (what it shares with Pallas is in test_interpreted_selection.py). The
+interpreter runs one program at a time in Python, so shapes are small."""
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import nsa_dsl
-import reference
-from conftest import assert_close, check_selection_against_reference, gate, normal, qkv, random_indices
-from nsa_dsl.runtime import resolve_platform
+from conftest import check_selection_against_reference, gate, qkv, random_indices
 
 # float16 kernels round p and ds to float16 before their matrix products.
 TOLERANCE = {np.float32: 2e-5, np.float16: 5e-3}
@@ -59,48 +56,6 @@ def test_packed_sequences(rng, dtype):
     counts = rng.integers(1, 4, (1, 64, 1)).astype(np.int32)
     g_slc = gate(rng, 1, 64, 4).astype(dtype)
     check_forward_and_gradients(rng, q, k, v, g_slc, indices, counts, 16, cu_seqlens)
-
-
-def test_nothing_to_attend_gives_zeros_and_zero_gradients(rng):
-    q, k, v = qkv(rng, 1, 37, 4, 2, 16)
-    indices = random_indices(rng, 1, 37, 2, 3, 16)
-    indices[0, :20] = -1  # the first 20 tokens select nothing
-    indices[0, 20:25, :, :] = 99  # and these only blocks past their own
-    out, pullback = jax.vjp(lambda q, k, v: selection(q, k, v, None, indices, 3, 16), q, k, v)
-    assert np.all(np.asarray(out)[0, :25] == 0.0)
-    dq, dk, dv = pullback(jnp.asarray(normal(rng, *q.shape)))
-    assert all(np.isfinite(np.asarray(g)).all() for g in (dq, dk, dv))
-    assert np.all(np.asarray(dq)[0, :25] == 0.0)
-    mask = reference.selection_mask(indices, 3, 16)
-    assert_close(out, reference.forward(q, k, v, [mask], [None], 0.25), TOLERANCE[np.float32], "output")
-
-
-def test_traced_softmax_scale_and_its_gradient(rng):
-    q, k, v = qkv(rng, 1, 33, 2, 1, 16)
-    indices = random_indices(rng, 1, 33, 1, 2, 16)
-    mask = reference.selection_mask(indices, 2, 16)
-    d_out = normal(rng, *q.shape)
-
-    def loss(q, scale):
-        return jnp.sum(selection(q, k, v, None, indices, 2, 16, scale=scale) * d_out)
-
-    value, (dq, d_scale) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(jnp.asarray(q), jnp.float32(0.3))
-    with jax.enable_x64(True):
-        q64, k64, v64, d64 = (jnp.asarray(x, jnp.float64) for x in (q, k, v, d_out))
-
-        def reference_loss(q, scale):
-            return jnp.sum(reference.attention(q, k64, v64, mask, scale, jnp) * d64)
-
-        want_value, (want_dq, want_d_scale) = jax.value_and_grad(reference_loss, argnums=(0, 1))(q64, 0.3)
-    assert abs(float(value) - float(want_value)) <= 1e-4 * abs(float(want_value))
-    assert_close(dq, want_dq, 1e-4, "dq")
-    assert abs(float(d_scale) - float(want_d_scale)) <= 1e-4 * abs(float(want_d_scale))
-
-
-def test_triton_runs_on_cpu_only_when_asked_for():
-    assert jax.default_backend() == "cpu"
-    assert resolve_platform("triton") == "triton"
-    assert resolve_platform(None) != "triton"  # the interpreter is for tests, never picked by itself
 
 
 def test_bfloat16_needs_a_gpu(rng):

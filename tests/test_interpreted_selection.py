@@ -1,0 +1,69 @@
+"""What the Triton and Pallas backends share when their kernels run interpreted on the CPU:
+explicit selection with rows that see nothing (zeros, finite and zero gradients), a traced
+softmax scale with its own gradient, and being used only when asked for by name."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import nsa_dsl
+import reference
+from conftest import FORWARD_TOLERANCE, GRADIENT_TOLERANCE, assert_close, normal, qkv, random_indices
+from nsa_dsl.runtime import resolve_platform
+
+PLATFORMS = ["triton", "pallas"]
+
+
+def selection(platform, q, k, v, indices, counts, scale=None):
+    cfg = nsa_dsl.NativeSparseAttentionConfig(block_size=16)
+    return nsa_dsl.native_sparse_attention(
+        q, k, v, None, None, indices, counts, None, softmax_scale=scale, platform=platform, cfg=cfg
+    )
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_nothing_to_attend_gives_zeros_and_zero_gradients(rng, platform):
+    q, k, v = qkv(rng, 1, 37, 4, 2, 16)
+    indices = random_indices(rng, 1, 37, 2, 3, 16)
+    indices[0, :20] = -1  # the first 20 tokens select nothing
+    indices[0, 20:25, :, :] = 99  # and these only blocks past their own
+    out, pullback = jax.vjp(lambda q, k, v: selection(platform, q, k, v, indices, 3), q, k, v)
+    assert np.all(np.asarray(out)[0, :25] == 0.0)
+    dq, dk, dv = pullback(jnp.asarray(normal(rng, *q.shape)))
+    assert all(np.isfinite(np.asarray(g)).all() for g in (dq, dk, dv))
+    assert np.all(np.asarray(dq)[0, :25] == 0.0)
+    mask = reference.selection_mask(indices, 3, 16)
+    assert_close(out, reference.forward(q, k, v, [mask], [None], 0.25), FORWARD_TOLERANCE, "output")
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_traced_softmax_scale_and_its_gradient(rng, platform):
+    q, k, v = qkv(rng, 1, 33, 3, 1, 16)
+    indices = random_indices(rng, 1, 33, 1, 2, 16)
+    mask = reference.selection_mask(indices, 2, 16)
+    d_out = normal(rng, *q.shape)
+
+    def loss(q, scale):
+        return jnp.sum(selection(platform, q, k, v, indices, 2, scale=scale) * d_out)
+
+    value, (dq, d_scale) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(jnp.asarray(q), jnp.float32(0.3))
+    with jax.enable_x64(True):
+        q64, k64, v64, d64 = (jnp.asarray(x, jnp.float64) for x in (q, k, v, d_out))
+
+        def reference_loss(q, scale):
+            return jnp.sum(reference.attention(q, k64, v64, mask, scale, jnp) * d64)
+
+        want_value, (want_dq, want_d_scale) = jax.value_and_grad(reference_loss, argnums=(0, 1))(q64, 0.3)
+    assert abs(float(value) - float(want_value)) <= 1e-4 * abs(float(want_value))
+    assert_close(dq, want_dq, GRADIENT_TOLERANCE, "dq")
+    assert abs(float(d_scale) - float(want_d_scale)) <= 1e-4 * abs(float(want_d_scale))
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_runs_on_cpu_only_when_asked_for(platform):
+    assert jax.default_backend() == "cpu"
+    assert resolve_platform(platform) == platform
+    assert resolve_platform(None) == "xla"  # interpreters are for tests, never picked by themselves
