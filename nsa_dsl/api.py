@@ -15,6 +15,7 @@ from .plan import lower, lower_keys
 from .plan import plan as p
 from .runtime import attend, check_supported, choose_platform, selections
 from .runtime.check import CheckReport, check_pattern
+from .runtime.platform import for_device
 
 __all__ = [
     "CheckReport",
@@ -131,7 +132,7 @@ class SparseAttention:
         """The generated module's source for `platform` (None: the one calls would run on)."""
         platform = choose_platform(self.plan, platform, self.config)
         check_supported(self.plan, platform)
-        return codegen.source(platform, self.plan, self.config)
+        return codegen.source(platform, self.plan, for_device(self.config))
 
     def selections(self, query, key, value, *, cu_seqlens=None, softmax_scale=None, platform: str | None = None,
                    pool_fns=None):

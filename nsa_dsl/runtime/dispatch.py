@@ -14,7 +14,7 @@ from ..config import NativeSparseAttentionConfig
 from ..plan import build_block_table
 from ..plan import plan as p
 from . import validate
-from .platform import resolve_platform
+from .platform import for_device, resolve_platform
 
 # Branch kinds each platform's templates implement.
 _KERNELS = {"xla": (p.StaticBranch, p.SelectBranch, p.CompressBranch, p.TopKBranch), "triton": (p.StaticBranch, p.SelectBranch), "pallas": (p.SelectBranch,)}
@@ -73,7 +73,7 @@ def kernel(platform: str, plan: p.Plan, config: NativeSparseAttentionConfig | No
     """The generated module's jitted `entry` function for (platform, plan, config)."""
     check_supported(plan, platform)
     use_compilation_cache()
-    return jax.jit(getattr(codegen.load_module(platform, plan, config), entry))
+    return jax.jit(getattr(codegen.load_module(platform, plan, for_device(config)), entry))
 
 
 @functools.lru_cache(maxsize=1)
@@ -121,7 +121,7 @@ def entry(platform: str, plan: p.Plan, config, name: str, pool_fns: Mapping[str,
     if not given:
         return kernel(platform, plan, config, name)
     check_supported(plan, platform)
-    return functools.partial(getattr(codegen.load_module(platform, plan, config), name), pool_fns=given)
+    return functools.partial(getattr(codegen.load_module(platform, plan, for_device(config)), name), pool_fns=given)
 
 
 def attend(

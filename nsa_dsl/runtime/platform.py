@@ -8,6 +8,7 @@ device jax runs on supports it: XLA runs everywhere, Triton needs a GPU, Pallas 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import jax
 
@@ -30,6 +31,13 @@ def device_kind(config: NativeSparseAttentionConfig | None = None) -> str:
     if config is not None and config.backend is not None:
         return config.backend
     return jax.default_backend()
+
+
+def for_device(config: NativeSparseAttentionConfig | None) -> NativeSparseAttentionConfig:
+    """`config` with its `backend` filled in: the device kind kernels are generated for (the
+    Pallas templates render a GPU or a TPU variant from it)."""
+    config = config or NativeSparseAttentionConfig()
+    return config if config.backend is not None else replace(config, backend=device_kind(config))
 
 
 def available_platforms(config: NativeSparseAttentionConfig | None = None) -> tuple[str, ...]:
