@@ -1,0 +1,52 @@
+"""How bench_gpu.py times a call, shared by its JAX process and its PyTorch worker so that every
+row of a table is measured the same way.
+
+A measurement is: the first call (compilation, autotuning and the run: reported apart), one
+warm-up call, then batches of back-to-back calls each ended by a device synchronisation; the
+per-call time of a batch is its wall-clock time over its number of calls, and the result is the
+median over batches. Batches hold enough calls to last about `min_batch_ms`, so host dispatch
+overlaps device work as it does in a training step, and short kernels are not dominated by the
+launch of a single call. No L2 flush between calls (neither framework's peers get one here).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+
+
+def measure(call: Callable[[], object], sync: Callable[[object], None], *, batches: int = 10,
+            min_batch_ms: float = 20.0, time_cap_s: float = 1.0) -> dict:
+    """Time `call()`; `sync(result)` blocks until the device has finished it.
+
+    Stops after `batches` batches, or after `time_cap_s` seconds of batches once three are
+    done. Returns ms (the median per-call time), first_call_s, calls_per_batch and samples_ms.
+    """
+    start = time.perf_counter()
+    sync(call())
+    first_call_s = time.perf_counter() - start
+    start = time.perf_counter()
+    sync(call())
+    one_ms = (time.perf_counter() - start) * 1e3
+    calls_per_batch = max(1, min(64, math.ceil(min_batch_ms / max(one_ms, 1e-3))))
+    samples = []
+    timing_start = time.perf_counter()
+    while len(samples) < batches:
+        start = time.perf_counter()
+        result = None
+        for _ in range(calls_per_batch):
+            result = call()
+        sync(result)
+        samples.append((time.perf_counter() - start) * 1e3 / calls_per_batch)
+        if len(samples) >= 3 and time.perf_counter() - timing_start > time_cap_s:
+            break
+    return {"ms": statistics.median(samples), "first_call_s": first_call_s, "calls_per_batch": calls_per_batch,
+            "samples_ms": [round(s, 4) for s in samples]}
+
+
+def error_text(err: BaseException) -> str:
+    """One line naming the exception: what a table cell and a JSON field can hold."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return f"{type(err).__name__}: {lines[0][:300] if lines else ''}".rstrip(": ")
