@@ -1,0 +1,167 @@
+"""Native Sparse Attention on the Pallas backend (compression attention, top-k scoring and
+selection in the kernel, the selection and sliding-window kernels, gates), run with
+interpret=True on the CPU (the same kernel functions pl.pallas_call lowers through Triton on a
+GPU), against the float64 reference written from the paper's equations (tests/nsa_reference.py):
+the selected blocks (their reference scores, so that exact ties may pick other ids), outputs and
+the gradients of q, k, v and every gate; both NSA examples, odd lengths, GQA groups 1, 3 and 16,
+head dims 20 and 24, packed sequences, selection per block of queries, learned pooling, float16;
+several steps of every kernel loop (small steps patched in), the GPU's padded tile layouts in
+the interpreter, and the kernels lowered (not run) for CUDA. Each case compiles once (selection,
+forward and backward in one jit): shapes are small."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from conftest import FORWARD_TOLERANCE, GRADIENT_TOLERANCE, assert_close, gate, normal, qkv
+from nsa_reference import NsaSpec, nsa_gradients, nsa_reference
+
+import nsa_dsl
+from nsa_dsl import codegen
+from nsa_dsl.runtime import dispatch
+
+PAPER_FORCED = lambda qb, kb: kb < 1 or qb - 2 < kb <= qb  # global(first=1) | local(2)
+
+
+def paper_example():
+    """examples/nsa.nsa scaled down: l = 8, d = 4, n = 5 blocks of l' = 16, window 24."""
+    text = Path("examples/nsa.nsa").read_text().replace("block 64", "block 16")
+    text = text.replace("compress(block=32, stride=16)", "compress(block=8, stride=4)")
+    text = text.replace("topk(16, block=64", "topk(5, block=16").replace("window(512)", "window(24)")
+    spec = NsaSpec(compress_block=8, compress_stride=4, select_count=5, select_block=16, window=24, forced=PAPER_FORCED)
+    return text, spec
+
+
+def meanpool_example():
+    """examples/nsa_meanpool.nsa scaled down: l = d = l' = 16, n = 4."""
+    text = Path("examples/nsa_meanpool.nsa").read_text().replace("block 64", "block 16")
+    text = text.replace("compress(block=64, stride=64)", "compress(block=16, stride=16)").replace("topk(16, block=64", "topk(4, block=16")
+    spec = NsaSpec(compress_block=16, compress_stride=16, select_count=4, select_block=16, forced=lambda qb, kb: kb == qb)
+    return text, spec
+
+
+def chosen_scores(scores, chosen):
+    """The reference's importance of each chosen block, sorted; -inf for unused entries."""
+    picked = np.where(chosen >= 0, np.take_along_axis(scores, np.maximum(chosen, 0), axis=-1), -np.inf)
+    return np.sort(picked, axis=-1)
+
+
+def run_and_check(rng, text, spec, *, batch, seq_len, heads_q, heads_kv, head_dim, cu_seqlens=None, dtype=np.float32,
+                  pool_fns=None, patch=None, gradients=True):
+    """Selection, output and (with `gradients`) gradients of the pattern `text` through the Pallas
+    module, in one jit, against the reference; patch(module) may change its tile constants first."""
+    attention = nsa_dsl.compile(text)
+    module = codegen.load_module("pallas", attention.plan)
+    if patch is not None:
+        patch(module)
+    q, k, v = (x.astype(dtype) for x in qkv(rng, batch, seq_len, heads_q, heads_kv, head_dim))
+    gate_names = sorted(g.name for g in attention.plan.gates)
+    gates = {name: gate(rng, batch, seq_len, heads_q).astype(dtype) for name in gate_names}
+    d_out = normal(rng, batch, seq_len, heads_q, head_dim).astype(dtype)
+    cu = None if cu_seqlens is None else np.asarray(cu_seqlens, np.int32)
+    tables = dispatch.branch_tables(attention.plan, seq_len)
+    scale = 1.0 / np.sqrt(head_dim)
+    options = {"tables": tables, "cu_seqlens": cu, "softmax_scale": scale, "pool_fns": pool_fns}
+
+    def everything(q, k, v, gates, d_out):
+        (chosen,) = module.selections(q, k, v, **options).values()
+        out, pullback = jax.vjp(lambda q, k, v, gates: module.attention(q, k, v, gates=gates, **options), q, k, v, gates)
+        return chosen, out, pullback(d_out) if gradients else None
+
+    chosen, out, cotangents = jax.jit(everything)(q, k, v, gates, d_out)
+    assert out.shape == q.shape and out.dtype == q.dtype
+
+    as64 = lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+    q, k, v, d_out = (as64(x) for x in (q, k, v, d_out))
+    weights = {name.removeprefix("g_"): as64(g) for name, g in gates.items()}
+    # Selection: the kernel's blocks must score like the reference's best (ties may swap ids).
+    _, _, ref_chosen, scores = nsa_reference(q, k, v, spec, gates=weights, cu_seqlens=cu)
+    chosen = np.asarray(chosen)
+    assert ((chosen >= 0).sum(-1) == (ref_chosen >= 0).sum(-1)).all(), "number of selected blocks"
+    got, want = chosen_scores(scores, chosen), chosen_scores(scores, ref_chosen)
+    finite = np.isfinite(want)
+    assert (np.isfinite(got) == finite).all()
+    score_tolerance = 1e-4 if dtype == np.float32 else 2e-2
+    np.testing.assert_allclose(got[finite], want[finite], rtol=score_tolerance, atol=score_tolerance * 1e-2)
+
+    # Outputs and gradients for the kernel's (validated) selection.
+    forward_tolerance, gradient_tolerance = (FORWARD_TOLERANCE, GRADIENT_TOLERANCE) if dtype == np.float32 else (5e-3, 5e-3)
+    expected, _, _, _ = nsa_reference(q, k, v, spec, gates=weights, cu_seqlens=cu, selected=chosen)
+    assert_close(as64(out), expected, forward_tolerance, "output")
+    if not gradients:
+        return
+    dq, dk, dv, d_gates = cotangents
+    wanted = nsa_gradients(q, k, v, spec, weights, chosen, d_out, cu_seqlens=cu)
+    for name, actual in (("q", dq), ("k", dk), ("v", dv), *d_gates.items()):
+        assert_close(as64(actual), wanted[name], gradient_tolerance, f"d{name}")
+
+
+def test_paper_example_in_several_steps(rng, monkeypatch):
+    """16 compressed keys per step of the compression kernels, 3 selection blocks per step of the
+    top-k kernel: loops of several steps, chunks merged into the running top-k."""
+    text, spec = paper_example()
+
+    def small_steps(module):
+        monkeypatch.setattr(module, "COMPRESSED_KEYS", 16)
+        monkeypatch.setattr(module, "SCORED_KEYS", 16)
+
+    run_and_check(rng, text, spec, batch=1, seq_len=97, heads_q=6, heads_kv=2, head_dim=24, patch=small_steps)
+
+
+def test_meanpool_example_on_packed_sequences_in_gpu_tile_layouts(rng, monkeypatch):
+    """Sixteen query heads per KV head, in the power-of-two tiles of the GPU lowering (a query
+    tile spans two programs; the top-k kernel scores 16 queries, padded, at a time)."""
+    text, spec = meanpool_example()
+
+    def gpu_tiles(module):
+        monkeypatch.setattr(module, "POWER_OF_TWO_TILES", True)
+
+    run_and_check(rng, text, spec, batch=1, seq_len=160, heads_q=16, heads_kv=1, head_dim=20,
+                  cu_seqlens=[0, 15, 70, 131, 150], patch=gpu_tiles)  # rows past 150 belong to no sequence
+
+
+def test_selection_per_block_of_queries_with_learned_pooling_float16(rng):
+    """Forward only: per block(Q) and the pooling function change what the top-k kernel scores
+    and the compression kernels read, not their gradients' kernels (tested above)."""
+    text = (
+        "pattern p\nblock 16\n"
+        "branch cmp = compress(block=16, stride=8, pool=learned) gate g_cmp\n"
+        "branch slc = topk(3, block=16, score=cmp, force=global(first=1)) per block(8) gate g_slc\n"
+    )
+    weights = rng.uniform(0.0, 0.3, 16)
+    spec = NsaSpec(compress_block=16, compress_stride=8, select_count=3, select_block=16, query_block=8,
+                   forced=lambda qb, kb: kb < 1, pool_weights=tuple(weights))
+
+    def weighted(k_blocks, v_blocks):
+        w = jnp.asarray(weights, jnp.float32)
+        return jnp.einsum("cjhd,j->chd", k_blocks, w), jnp.einsum("cjhd,j->chd", v_blocks, w)
+
+    run_and_check(rng, text, spec, batch=2, seq_len=75, heads_q=2, heads_kv=2, head_dim=16, dtype=np.float16,
+                  pool_fns={"cmp": weighted}, gradients=False)
+
+
+def test_kernels_lower_to_triton_for_a_gpu(rng, monkeypatch):
+    """Without a GPU here, lower (not run) forward and backward for CUDA, in bfloat16: every kernel
+    (compression, top-k per block of queries, selection, sliding window; their dq and dk/dv) must
+    go through Pallas' Triton lowering."""
+    dtype = jnp.bfloat16
+    text, _ = paper_example()
+    text = text.replace("local(2))", "local(2)) per block(4)")
+    attention = nsa_dsl.compile(text)
+    module = codegen.load_module("pallas", attention.plan)
+    monkeypatch.setattr(module, "ON_GPU", True)
+    monkeypatch.setattr(module, "POWER_OF_TWO_TILES", True)
+    q, k, v = (jnp.asarray(x, dtype) for x in qkv(rng, 1, 97, 6, 2, 24))
+    gates = {f"g_{name}": jnp.asarray(gate(rng, 1, 97, 6), dtype) for name in ("cmp", "slc", "swa")}
+    tables = dispatch.branch_tables(attention.plan, 97)
+
+    def loss(q, k, v):
+        out = module.attention(q, k, v, gates=gates, tables=tables, cu_seqlens=None, softmax_scale=0.2)
+        return jnp.sum(out.astype(jnp.float32))
+
+    for function, kernels in ((loss, 4), (jax.grad(loss, argnums=(0, 1, 2)), 10)):
+        text = jax.jit(function).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("__gpu$xla.gpu.triton") == kernels
