@@ -4,15 +4,23 @@
     attention = nsa_dsl.compile("examples/longformer.nsa", window=256)
     out = attention(q, k, v)                                   # [B, T, HQ, D]
     out = nsa_dsl.native_sparse_attention(q, k, v, None, g_slc, block_indices)  # ejkernel's API
+    kernel = nsa_dsl.NativeSparseAttention()                   # ejkernel's Kernel interface
+    cfg = kernel.autotune(kernel.invocation(q, k, v, None, g_slc, block_indices))
 """
 
 from ._version import __version__
 from .api import SparseAttention, compile, native_sparse_attention
+from .autotune import AutotuneWarning
 from .codegen import UnsafeTemplateValue
 from .config import NativeSparseAttentionConfig
 from .errors import NsaError, NsaSemanticError, NsaSyntaxError
+from .kernel import Invocation, Kernel, NativeSparseAttention
 
 __all__ = [
+    "AutotuneWarning",
+    "Invocation",
+    "Kernel",
+    "NativeSparseAttention",
     "NativeSparseAttentionConfig",
     "NsaError",
     "NsaSemanticError",

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 PLATFORMS = ("xla", "triton", "pallas")
+BACKENDS = ("gpu", "tpu", "cpu")
+_TILES = ("block_q", "block_k", "block_d", "num_warps", "num_stages", "chunk_bytes")
 
 
 @dataclass(frozen=True)
@@ -12,10 +14,21 @@ class NativeSparseAttentionConfig:
     """Settings for `native_sparse_attention` and compiled patterns.
 
     `block_size` is the key-block size of explicit `block_indices` (as in ejkernel) and part
-    of the result's meaning; everything else only changes speed: tile sizes (`block_q`,
-    `block_k`, `block_d`), Triton's `num_warps`/`num_stages`, and where it runs (`platform`:
-    "xla", "triton", "pallas" or None for automatic; `backend`: "gpu", "tpu", "cpu" or None).
-    None leaves a setting to the backend's heuristic.
+    of the result's meaning; autotuning never changes it. Everything else only changes speed,
+    and None leaves a setting to the kernel's built-in (measured) default:
+
+    - `block_k`: keys per step of Triton's per-token loops (several selected blocks at once)
+      and of its static-pattern kernels; `block_q`: query tile rows of Triton's static-pattern
+      kernels and of Pallas' query-tile kernels; both powers of two. `block_d`: the head-dimension tile; the kernels keep the whole head
+      dimension in one tile, so it must be None or at least the head dimension.
+    - `num_warps` (a power of two) and `num_stages`: Triton's launch settings, also used by
+      Pallas' Triton lowering.
+    - `chunk_bytes`: working set of one chunk of the XLA engine (16 MiB by default).
+    - `platform`: "xla", "triton", "pallas", or None/"auto" for the most specialised one that
+      runs here; `backend`: the device kind kernels are generated for, "gpu", "tpu", "cpu",
+      or None/"any" for the one jax runs on.
+
+    A platform ignores the settings its kernels do not read (nsa_dsl.kernel.settings_read).
     """
 
     block_size: int = 64
@@ -26,15 +39,22 @@ class NativeSparseAttentionConfig:
     num_stages: int | None = None
     platform: str | None = None
     backend: str | None = None
+    chunk_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"cfg.block_size must be a positive int, got {self.block_size!r}")
-        for name in ("block_q", "block_k", "block_d", "num_warps", "num_stages"):
+        for name in _TILES:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"cfg.{name} must be a positive int or None, got {value!r}")
+        for name in ("block_q", "block_k", "num_warps"):
+            value = getattr(self, name)
+            if value is not None and value & (value - 1):
+                raise ValueError(f"cfg.{name} must be a power of two (a tile extent of the kernels), got {value}")
         if self.platform is not None and self.platform not in PLATFORMS + ("auto",):
             raise ValueError(f"cfg.platform must be one of {PLATFORMS + ('auto',)} or None, got {self.platform!r}")
-        if self.backend is not None and self.backend not in ("gpu", "tpu", "cpu"):
-            raise ValueError(f"cfg.backend must be 'gpu', 'tpu', 'cpu' or None, got {self.backend!r}")
+        if self.backend == "any":  # ejkernel's spelling of "wherever jax runs"
+            object.__setattr__(self, "backend", None)
+        if self.backend is not None and self.backend not in BACKENDS:
+            raise ValueError(f"cfg.backend must be 'gpu', 'tpu', 'cpu', 'any' or None, got {self.backend!r}")

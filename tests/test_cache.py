@@ -104,18 +104,18 @@ def test_key_covers_plan_config_templates_and_versions(demo: Path, monkeypatch) 
     with monkeypatch.context() as m:
         m.setattr(cache, "__version__", "99.0")
         others.add(cache.cache_path("xla", p))
-    real_version = cache._library_version
+    real_version = cache.library_version
     for library in ("jax", "jaxlib", "triton"):
         with monkeypatch.context() as m:
             m.setattr(
-                cache, "_library_version", lambda name, lib=library: "0.0.1" if name == lib else real_version(name)
+                cache, "library_version", lambda name, lib=library: "0.0.1" if name == lib else real_version(name)
             )
             others.add(cache.cache_path("xla", p))
     assert len(others) == 9 and base not in others
 
 
 def test_missing_library_version_reads_none() -> None:
-    assert cache._library_version("nsa-dsl-no-such-distribution") == "none"
+    assert cache.library_version("nsa-dsl-no-such-distribution") == "none"
 
 
 def test_cache_root_defaults_to_home_cache(monkeypatch, tmp_path: Path) -> None:

@@ -40,7 +40,7 @@ def cache_root() -> Path:
     return Path(configured) if configured else Path.home() / ".cache" / "nsa_dsl"
 
 
-def _library_version(name: str) -> str:
+def library_version(name: str) -> str:
     # Metadata only: importing triton or jax here would cost seconds and may fail without a GPU.
     try:
         return importlib.metadata.version(name)
@@ -55,7 +55,7 @@ def cache_key(backend: str, plan: Plan, config: NativeSparseAttentionConfig | No
         "config": repr(config),
         "templates": template_texts(backend),
         "nsa_dsl": __version__,
-        **{name: _library_version(name) for name in _LIBRARIES},
+        **{name: library_version(name) for name in _LIBRARIES},
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
@@ -73,7 +73,7 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
+def write_atomically(path: Path, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -119,9 +119,9 @@ def _ensure_entry(backend: str, key: str, plan: Plan, config: NativeSparseAttent
     text = _render_module(backend, plan, config)
     data = text.encode()
     path.parent.mkdir(parents=True, exist_ok=True)
-    _write_atomically(path, data)
+    write_atomically(path, data)
     sidecar = {"sha256": _sha256(data), "nsa_dsl": __version__, "backend": backend, "pattern": plan.name}
-    _write_atomically(path.with_suffix(".json"), json.dumps(sidecar, indent=1).encode())
+    write_atomically(path.with_suffix(".json"), json.dumps(sidecar, indent=1).encode())
     return path, text
 
 
