@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import functools
-import numbers
 import os
-import warnings
 from dataclasses import dataclass
 
 from . import codegen, dsl
 from .config import NativeSparseAttentionConfig
 from .dsl import model
-from .plan import lower, lower_keys
+from .kernel import NativeSparseAttention, compressed_selection_plan, selection_plan
+from .plan import lower
 from .plan import plan as p
 from .runtime import attend, check_supported, choose_platform, selections
 from .runtime.check import CheckReport, check_pattern
@@ -28,28 +26,6 @@ __all__ = [
 ]
 
 
-@functools.lru_cache(maxsize=None)
-def selection_plan(block_size: int) -> p.Plan:
-    """The built-in plan of `native_sparse_attention` with explicit indices: one causal branch
-    reading the caller's `block_indices`, gated by g_slc (weight 1 when not given)."""
-    branch = p.SelectBranch(name="slc", gate=model.Gate("g_slc", 1.0), block=block_size)
-    return p.Plan(name="native_sparse_attention", block_size=block_size, causal=True, params=(), branches=(branch,))
-
-
-@functools.lru_cache(maxsize=None)
-def compressed_selection_plan(block_size: int, count: int) -> p.Plan:
-    """The built-in plan of `native_sparse_attention` with g_cmp: mean-pooled compression over
-    blocks of `block_size` (gated by g_cmp) scoring a per-token top-`count` selection of blocks
-    of `block_size` that always holds the query's own block (gated by g_slc, weight 1 when not
-    given) -- ejkernel's and flash-linear-attention's configuration."""
-    compress = p.CompressBranch(name="cmp", gate=model.Gate("g_cmp"), block=block_size, stride=block_size, pool="mean")
-    select = p.TopKBranch(
-        name="slc", gate=model.Gate("g_slc", 1.0), count=count, block=block_size, score="cmp", query_block=1,
-        force=lower_keys(model.Local(1)),
-    )
-    return p.Plan(name="native_sparse_attention", block_size=block_size, causal=True, params=(), branches=(compress, select))
-
-
 def native_sparse_attention(
     query,
     key,
@@ -63,7 +39,7 @@ def native_sparse_attention(
     *,
     softmax_scale=None,
     platform: str | None = None,
-    cfg: NativeSparseAttentionConfig | None = None,
+    cfg: NativeSparseAttentionConfig | str | None = None,
 ):
     """ejkernel's `native_sparse_attention`.
 
@@ -81,40 +57,17 @@ def native_sparse_attention(
     probabilities (summed over each KV group's query heads) score the blocks, and the
     top `block_counts` (an int) causally valid blocks, always including the query's own, are
     attended; o = g_slc * o_slc + g_cmp * o_cmp.
+
+    `cfg`: a NativeSparseAttentionConfig is used as given. None (block_size 64): the tuned
+    configuration of these shapes on this device if one is stored, else the kernels' defaults,
+    tuning first where compiled GPU/TPU kernels run (NSA_DSL_AUTOTUNE=0: never, =1: always);
+    "autotune": tune now unless stored; "heuristic": the defaults. See nsa_dsl.NativeSparseAttention.
     """
-    cfg = _config("cfg", cfg) or NativeSparseAttentionConfig()
-    if g_cmp is not None:
-        if block_indices is not None:
-            warnings.warn("native_sparse_attention: block_indices are ignored when g_cmp is given (top-k selects the blocks)", stacklevel=2)
-        if isinstance(block_counts, bool) or not isinstance(block_counts, numbers.Integral) or block_counts < 1:
-            raise ValueError(f"block_counts: with g_cmp it is the number of blocks top-k selects, a positive int; got {block_counts!r}")
-        block_counts = int(block_counts)
-        return attend(
-            compressed_selection_plan(cfg.block_size, block_counts),
-            query,
-            key,
-            value,
-            gates={"g_cmp": g_cmp, "g_slc": g_slc},
-            cu_seqlens=cu_seqlens,
-            softmax_scale=softmax_scale,
-            platform=platform,
-            config=cfg,
-        )
-    if block_indices is None:
-        raise ValueError("block_indices is required when g_cmp is None: pass [B, T, HKV, S] key-block ids")
-    return attend(
-        selection_plan(cfg.block_size),
-        query,
-        key,
-        value,
-        gates={"g_slc": g_slc},
-        cu_seqlens=cu_seqlens,
-        softmax_scale=softmax_scale,
-        block_indices=block_indices,
-        block_counts=block_counts,
-        platform=platform,
-        config=cfg,
-    )
+    return _KERNEL(query, key, value, g_cmp, g_slc, block_indices, block_counts, softmax_scale, cu_seqlens, platform,
+                   cfg=cfg)
+
+
+_KERNEL = NativeSparseAttention()
 
 
 @dataclass(frozen=True)
@@ -131,7 +84,7 @@ class SparseAttention:
     def source(self, platform: str | None = None) -> str:
         """The generated module's source for `platform` (None: the one calls would run on)."""
         platform = choose_platform(self.plan, platform, self.config)
-        check_supported(self.plan, platform)
+        check_supported(self.plan, platform, self.config)
         return codegen.source(platform, self.plan, for_device(self.config))
 
     def selections(self, query, key, value, *, cu_seqlens=None, softmax_scale=None, platform: str | None = None,
@@ -140,6 +93,16 @@ class SparseAttention:
         {branch name: [B, T, HKV, count] block ids of the branch's block size, -1 unused}."""
         return selections(self.plan, query, key, value, cu_seqlens=cu_seqlens, softmax_scale=softmax_scale,
                           platform=platform, config=self.config, pool_fns=pool_fns)
+
+    def sharded(self, mesh=None, *, batch_axis=None, head_axis=None, sequence_axis=None):
+        """This attention over a device mesh (nsa_dsl.sharding.ShardedAttention): called on global
+        arrays it runs inside jax.shard_map with the batch, the heads (each KV head with its
+        query heads) and the sequence (context parallel: keys and values all-gathered, queries
+        at their absolute rows) sharded along the named mesh axes; `.per_shard` is the same
+        inside your own shard_map. mesh=None: the one set with jax.set_mesh."""
+        from .sharding import ShardedAttention
+
+        return ShardedAttention(self.plan, self.config, mesh, batch_axis, head_axis, sequence_axis)
 
     def __call__(
         self,

@@ -111,7 +111,7 @@ def _describe(node: model.KeySet | p.MaskExpr) -> str:
         case model.Blocks(ids):
             return f"blocks({', '.join(map(str, ids))})"
         case model.Random(count, seed):
-            return f"random({count}, {seed})"
+            return f"random({count}, seed={seed})"
         case p.AtomBit(index):
             return f"atom{index}"
         case model.Union(parts) | p.AnyOf(parts):

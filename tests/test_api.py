@@ -187,18 +187,21 @@ def test_check_pattern_report():
 
 
 def test_automatic_platform_is_the_most_specialised_one_with_kernels_for_every_branch():
-    # Decided for a GPU without one: Triton has static and explicit-selection kernels, and
-    # compression/top-k plans fall back to XLA rather than failing.
+    # Decided for devices this machine lacks: Triton on a GPU for every plan; on a TPU, Pallas for
+    # static and selection plans, and XLA for compression/top-k plans (Pallas' TPU variant has no
+    # kernels for them) rather than failing.
     from nsa_dsl.runtime import choose_platform
 
-    on_gpu = nsa_dsl.NativeSparseAttentionConfig(backend="gpu")
+    on = {device: nsa_dsl.NativeSparseAttentionConfig(backend=device) for device in ("cpu", "gpu", "tpu")}
     static = nsa_dsl.compile(EXAMPLES / "longformer.nsa").plan
     nsa = nsa_dsl.compile(EXAMPLES / "nsa.nsa").plan
-    assert choose_platform(static, None, on_gpu) == "triton"
-    assert choose_platform(nsa, None, on_gpu) == "xla"
-    assert choose_platform(nsa, None, nsa_dsl.NativeSparseAttentionConfig(backend="cpu")) == "xla"
-    with pytest.raises(NotImplementedError, match="CompressBranch"):
-        nsa_dsl.compile(EXAMPLES / "nsa.nsa").source("triton")
+    assert choose_platform(static, None, on["gpu"]) == "triton"
+    assert choose_platform(nsa, None, on["gpu"]) == "triton"
+    assert choose_platform(static, None, on["tpu"]) == "pallas"
+    assert choose_platform(nsa, None, on["tpu"]) == "xla"
+    assert choose_platform(nsa, None, on["cpu"]) == "xla"
+    with pytest.raises(NotImplementedError, match="CompressBranch branches on tpu"):
+        nsa_dsl.compile(EXAMPLES / "nsa.nsa", config=on["tpu"]).source("pallas")
 
 
 @pytest.mark.parametrize("platform", ["xla", "triton"])

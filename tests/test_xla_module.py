@@ -14,6 +14,7 @@ import reference
 from conftest import FORWARD_TOLERANCE, GRADIENT_TOLERANCE, assert_close, gate, mask_value, normal, qkv
 from nsa_dsl import __version__, codegen, dsl
 from nsa_dsl.api import selection_plan
+from nsa_dsl.config import NativeSparseAttentionConfig
 from nsa_dsl.dsl import model
 from nsa_dsl.plan import lower
 from nsa_dsl.plan import plan as p
@@ -132,5 +133,6 @@ def test_schedule_bounds_the_working_set():
 def test_plans_without_a_kernel_are_refused():
     plan = lower(dsl.load_pattern("pattern p\nblock 64\ncausal\nbranch cmp = compress(block=32, stride=16) gate g_cmp\n"))
     check_supported(plan, "xla")
+    check_supported(plan, "triton", NativeSparseAttentionConfig(backend="gpu"))
     with pytest.raises(NotImplementedError, match="CompressBranch"):
-        check_supported(plan, "triton")
+        check_supported(plan, "pallas", NativeSparseAttentionConfig(backend="tpu"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -14,29 +15,59 @@ from ..config import NativeSparseAttentionConfig
 from ..plan import build_block_table
 from ..plan import plan as p
 from . import validate
-from .platform import for_device, resolve_platform
+from .platform import device_kind, for_device, resolve_platform
 
 # Branch kinds each platform's templates implement.
-_KERNELS = {"xla": (p.StaticBranch, p.SelectBranch, p.CompressBranch, p.TopKBranch), "triton": (p.StaticBranch, p.SelectBranch), "pallas": (p.SelectBranch,)}
+_EVERY_KIND = (p.StaticBranch, p.SelectBranch, p.CompressBranch, p.TopKBranch)
+# Branch kinds each platform's templates implement, on any device but those of _DEVICE_KERNELS.
+_KERNELS = {"xla": _EVERY_KIND, "triton": _EVERY_KIND, "pallas": _EVERY_KIND}
+# Pallas' TPU (Mosaic) variant has static and selection kernels only: its compression and top-k
+# kernels are GPU ones, which a TPU would run in the interpreter.
+_DEVICE_KERNELS = {("pallas", "tpu"): (p.StaticBranch, p.SelectBranch)}
 
 
-def supports(plan: p.Plan, platform: str) -> bool:
-    return all(isinstance(branch, _KERNELS.get(platform, ())) for branch in plan.branches)
+def branch_kinds(platform: str, config: NativeSparseAttentionConfig | None = None) -> tuple[type, ...]:
+    """The branch kinds `platform` has kernels for on the config's device (jax's by default)."""
+    return _DEVICE_KERNELS.get((platform, device_kind(config)), _KERNELS.get(platform, ()))
 
 
-def choose_platform(plan: p.Plan, requested: str | None, config: NativeSparseAttentionConfig | None) -> str:
+# Platforms whose kernels take a shard of the queries against all keys (query_offset: context
+# parallelism).
+_QUERY_SHARD_PLATFORMS = ("xla",)
+
+
+def supports(
+    plan: p.Plan, platform: str, config: NativeSparseAttentionConfig | None = None, *, query_shard: bool = False
+) -> bool:
+    kernels = all(isinstance(branch, branch_kinds(platform, config)) for branch in plan.branches)
+    return kernels and (not query_shard or platform in _QUERY_SHARD_PLATFORMS)
+
+
+def choose_platform(
+    plan: p.Plan, requested: str | None, config: NativeSparseAttentionConfig | None, *, query_shard: bool = False
+) -> str:
     """`requested` (or the config's) as resolve_platform checks it; automatically, the most
-    specialised available platform with kernels for every branch of the plan (XLA has all)."""
-    return resolve_platform(requested, config, runs=lambda platform: supports(plan, platform))
+    specialised available platform with kernels for every branch of the plan (XLA has all) and,
+    for a `query_shard` (queries fewer than keys), for a shard of the queries."""
+    platform = resolve_platform(
+        requested, config, runs=lambda name: supports(plan, name, config, query_shard=query_shard)
+    )
+    if query_shard and platform not in _QUERY_SHARD_PLATFORMS:
+        raise NotImplementedError(
+            f"context parallelism (a shard of the queries against all keys, query_offset) is not implemented "
+            f"by the {platform} backend yet; platform={_QUERY_SHARD_PLATFORMS[0]!r} supports it"
+        )
+    return platform
 
 
-def check_supported(plan: p.Plan, platform: str) -> None:
-    """Raise NotImplementedError if `platform` has no kernel for one of the plan's branches."""
-    kinds = _KERNELS.get(platform, ())
+def check_supported(plan: p.Plan, platform: str, config: NativeSparseAttentionConfig | None = None) -> None:
+    """Raise NotImplementedError if `platform` has no kernel for one of the plan's branches (on
+    the config's device)."""
+    kinds = branch_kinds(platform, config)
     for branch in plan.branches:
         if not isinstance(branch, kinds):
             raise NotImplementedError(
-                f"the {platform} backend has no kernel for {type(branch).__name__} branches "
+                f"the {platform} backend has no kernel for {type(branch).__name__} branches on {device_kind(config)} "
                 f"(branch {branch.name!r} of pattern {plan.name!r})"
             )
 
@@ -69,9 +100,11 @@ def _nothing_forced(block: int, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 @functools.lru_cache(maxsize=None)
-def kernel(platform: str, plan: p.Plan, config: NativeSparseAttentionConfig | None, entry: str = "attention") -> Callable:
+def kernel(
+    platform: str, plan: p.Plan, config: NativeSparseAttentionConfig | None, entry: str = "attention"
+) -> Callable:
     """The generated module's jitted `entry` function for (platform, plan, config)."""
-    check_supported(plan, platform)
+    check_supported(plan, platform, config)
     use_compilation_cache()
     return jax.jit(getattr(codegen.load_module(platform, plan, for_device(config)), entry))
 
@@ -88,20 +121,54 @@ def use_compilation_cache() -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
-def selections(plan: p.Plan, query, key, value, *, cu_seqlens=None, softmax_scale=None, platform=None, config=None,
-               pool_fns: Mapping[str, Callable] | None = None):
-    """{top-k branch name: [B, T, HKV, count] selected block ids (-1 unused)} of `plan`."""
+def selections(
+    plan: p.Plan,
+    query,
+    key,
+    value,
+    *,
+    cu_seqlens=None,
+    softmax_scale=None,
+    platform=None,
+    config=None,
+    pool_fns: Mapping[str, Callable] | None = None,
+    query_offset=None,
+):
+    """{top-k branch name: [B, Tq, HKV, count] selected block ids (-1 unused)} of `plan`;
+    query_offset as for `attend`."""
     if not any(isinstance(b, p.TopKBranch) for b in plan.branches):
         raise ValueError(f"pattern {plan.name!r} has no topk branch")
-    query, key, value, shapes = validate.attention_inputs(query, key, value)
-    return entry(choose_platform(plan, platform, config), plan, config, "selections", pool_fns)(
+    query, key, value, shapes = validate.attention_inputs(query, key, value, query_shard=query_offset is not None)
+    cu = validate.cu_seqlens(cu_seqlens, shapes)
+    shard = _query_shard(plan, query_offset, shapes, cu)
+    return entry(
+        choose_platform(plan, platform, config, query_shard=bool(shard)), plan, config, "selections", pool_fns
+    )(
         query,
         key,
         value,
         tables=branch_tables(plan, shapes.seq_len),
-        cu_seqlens=validate.cu_seqlens(cu_seqlens, shapes),
+        cu_seqlens=cu,
         softmax_scale=validate.softmax_scale(softmax_scale, shapes),
+        **shard,
     )
+
+
+def _query_shard(plan: p.Plan, query_offset, shapes: validate.Shapes, cu) -> dict:
+    """The kernel's query_offset argument: none unless the queries are fewer than the keys."""
+    if query_offset is None:
+        return {}
+    offset = validate.query_offset(query_offset, shapes, plan.block_size)
+    if shapes.query_len == shapes.seq_len:
+        return {}  # the offset is 0
+    grouped = [b.name for b in plan.branches if isinstance(b, p.TopKBranch) and b.query_block > 1]
+    if cu is not None and grouped:
+        raise NotImplementedError(
+            f"cu_seqlens with a shard of the queries: topk branch {grouped[0]!r} of pattern {plan.name!r} selects "
+            f"per block of queries counted from each sequence's start, and such a block may straddle two shards; "
+            f"select per token, or pack no sequences"
+        )
+    return {"query_offset": offset}
 
 
 def entry(platform: str, plan: p.Plan, config, name: str, pool_fns: Mapping[str, Callable] | None) -> Callable:
@@ -120,8 +187,53 @@ def entry(platform: str, plan: p.Plan, config, name: str, pool_fns: Mapping[str,
             raise ValueError(f"pool_fns[{branch!r}] must be a callable (k_blocks, v_blocks) -> (k_cmp, v_cmp)")
     if not given:
         return kernel(platform, plan, config, name)
-    check_supported(plan, platform)
+    check_supported(plan, platform, config)
     return functools.partial(getattr(codegen.load_module(platform, plan, for_device(config)), name), pool_fns=given)
+
+
+class Inputs(NamedTuple):
+    """The arguments of a call, validated: arrays, gates by name, sequence offsets, the scale and
+    explicit selections in the per-token layout."""
+
+    query: jax.Array
+    key: jax.Array
+    value: jax.Array
+    shapes: validate.Shapes
+    gates: dict[str, jax.Array]
+    cu_seqlens: jax.Array | None
+    softmax_scale: float | jax.Array
+    block_indices: jax.Array | None
+    block_counts: jax.Array | None
+
+
+def inputs(
+    plan: p.Plan,
+    query,
+    key,
+    value,
+    *,
+    gates=None,
+    cu_seqlens=None,
+    softmax_scale=None,
+    block_indices=None,
+    block_counts=None,
+    query_shard: bool = False,
+) -> Inputs:
+    """Validate a call's arguments (ValueError naming the argument); `query_shard`: the queries
+    may be fewer than the keys (a query_offset was given)."""
+    query, key, value, shapes = validate.attention_inputs(query, key, value, query_shard=query_shard)
+    declared = tuple(dict.fromkeys(gate.name for gate in plan.gates))
+    given = validate.gates(gates or {}, declared, plan.name, shapes)
+    cu = validate.cu_seqlens(cu_seqlens, shapes)
+    scale = validate.softmax_scale(softmax_scale, shapes)
+    explicit = [b for b in plan.branches if isinstance(b, p.SelectBranch)]
+    if explicit:
+        block_indices, block_counts = validate.selection(block_indices, block_counts, shapes, explicit[0].block, cu)
+    else:
+        for name, given_value in (("block_indices", block_indices), ("block_counts", block_counts)):
+            if given_value is not None:
+                raise ValueError(f"{name}: pattern {plan.name!r} has no branch that selects key blocks explicitly")
+    return Inputs(query, key, value, shapes, given, cu, scale, block_indices, block_counts)
 
 
 def attend(
@@ -138,30 +250,37 @@ def attend(
     platform: str | None = None,
     config: NativeSparseAttentionConfig | None = None,
     pool_fns: Mapping[str, Callable] | None = None,
+    query_offset=None,
 ):
-    """Sparse attention of `plan` on [B, T, H, D] inputs; see the generated module's contract."""
-    query, key, value, shapes = validate.attention_inputs(query, key, value)
-    declared = tuple(dict.fromkeys(gate.name for gate in plan.gates))
-    given = validate.gates(gates or {}, declared, plan.name, shapes)
-    cu = validate.cu_seqlens(cu_seqlens, shapes)
-    scale = validate.softmax_scale(softmax_scale, shapes)
-    explicit = [b for b in plan.branches if isinstance(b, p.SelectBranch)]
-    if explicit:
-        block_indices, block_counts = validate.selection(block_indices, block_counts, shapes, explicit[0].block, cu)
-    else:
-        for name, given_value in (("block_indices", block_indices), ("block_counts", block_counts)):
-            if given_value is not None:
-                raise ValueError(f"{name}: pattern {plan.name!r} has no branch that selects key blocks explicitly")
-    platform = choose_platform(plan, platform, config)
-    tables = branch_tables(plan, shapes.seq_len)
-    return entry(platform, plan, config, "attention", pool_fns)(
+    """Sparse attention of `plan` on [B, T, H, D] inputs; see the generated module's contract.
+
+    With `query_offset` (an int or an integer scalar, may be traced) the queries [B, Tq, HQ, D]
+    may be a shard of the sequence axis: rows [query_offset, query_offset + Tq) of the keys'
+    (context parallelism); Tq and query_offset must then be multiples of the pattern's block.
+    Gates, block_indices and block_counts are the queries'; cu_seqlens are in key rows."""
+    given = inputs(
+        plan,
         query,
         key,
         value,
-        gates=given,
-        tables=tables,
-        cu_seqlens=cu,
-        softmax_scale=scale,
+        gates=gates,
+        cu_seqlens=cu_seqlens,
+        softmax_scale=softmax_scale,
         block_indices=block_indices,
         block_counts=block_counts,
+        query_shard=query_offset is not None,
+    )
+    shard = _query_shard(plan, query_offset, given.shapes, given.cu_seqlens)
+    platform = choose_platform(plan, platform, config, query_shard=bool(shard))
+    return entry(platform, plan, config, "attention", pool_fns)(
+        given.query,
+        given.key,
+        given.value,
+        gates=given.gates,
+        tables=branch_tables(plan, given.shapes.seq_len),
+        cu_seqlens=given.cu_seqlens,
+        softmax_scale=given.softmax_scale,
+        block_indices=given.block_indices,
+        block_counts=given.block_counts,
+        **shard,
     )

@@ -20,10 +20,11 @@ _FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64)
 @dataclass(frozen=True)
 class Shapes:
     batch: int
-    seq_len: int
+    seq_len: int  # of the keys: block tables and sequences (cu_seqlens) are in key rows
     heads_q: int
     heads_kv: int
     head_dim: int
+    query_len: int  # seq_len, or fewer when the queries are a shard of the sequence axis
 
 
 def _array(name: str, value: object) -> jax.Array:
@@ -57,21 +58,27 @@ def _is_concrete(x: jax.Array) -> bool:
     return not isinstance(x, jax.core.Tracer)
 
 
-def attention_inputs(query: object, key: object, value: object) -> tuple[jax.Array, jax.Array, jax.Array, Shapes]:
+def attention_inputs(
+    query: object, key: object, value: object, *, query_shard: bool = False
+) -> tuple[jax.Array, jax.Array, jax.Array, Shapes]:
+    """The inputs as arrays, and their shapes. With `query_shard` (a query_offset was given) the
+    queries may be fewer than the keys: one shard of the sequence axis against all of it."""
     query, key, value = _array("query", query), _array("key", key), _array("value", value)
     if query.ndim != 4:
         raise ValueError(f"query must be [batch, seq_len, num_q_heads, head_dim], got shape {query.shape}")
     if query.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"query must be float32, bfloat16, float16 or float64, got {query.dtype}")
-    batch, seq_len, heads_q, head_dim = query.shape
-    if batch < 1 or seq_len < 1 or heads_q < 1 or head_dim < 1:
+    batch, query_len, heads_q, head_dim = query.shape
+    if batch < 1 or query_len < 1 or heads_q < 1 or head_dim < 1:
         raise ValueError(f"query must have a non-empty batch, seq_len, num_q_heads and head_dim, got shape {query.shape}")
     for name, x in (("key", key), ("value", value)):
         if x.ndim != 4:
             raise ValueError(f"{name} must be [batch, seq_len, num_kv_heads, head_dim], got shape {x.shape}")
-        if x.shape[:2] != (batch, seq_len) or x.shape[3] != head_dim:
+        length_ok = x.shape[1] >= query_len if query_shard else x.shape[1] == query_len
+        if x.shape[0] != batch or not length_ok or x.shape[3] != head_dim:
+            length = f"seq_len >= {query_len} (query's rows are a shard of it)" if query_shard else f"seq_len={query_len}"
             raise ValueError(
-                f"{name} must be [batch={batch}, seq_len={seq_len}, num_kv_heads, head_dim={head_dim}] "
+                f"{name} must be [batch={batch}, {length}, num_kv_heads, head_dim={head_dim}] "
                 f"like query, got shape {x.shape}"
             )
         if x.dtype != query.dtype:
@@ -83,11 +90,34 @@ def attention_inputs(query: object, key: object, value: object) -> tuple[jax.Arr
         raise ValueError(
             f"key has {heads_kv} heads, which must divide query's {heads_q} heads (grouped-query attention)"
         )
-    return query, key, value, Shapes(batch, seq_len, heads_q, heads_kv, head_dim)
+    return query, key, value, Shapes(batch, key.shape[1], heads_q, heads_kv, head_dim, query_len)
+
+
+def query_offset(value: object, shapes: Shapes, block: int) -> int | jax.Array:
+    """The key row of the first query (context parallelism: the queries are rows
+    [offset, offset + query_len) of the keys' sequence axis), an int or an int32 scalar that may
+    be traced. A shard must start and end on a block of the pattern."""
+    scalar = np.ndim(value) == 0 and jnp.issubdtype(getattr(value, "dtype", type(value)), jnp.integer)
+    if isinstance(value, (bool, np.bool_)) or not scalar:
+        raise ValueError(f"query_offset must be an int or an integer scalar array, got {value!r}")
+    offset = _index_array("query_offset", value) if isinstance(value, jax.Array) else int(value)
+    if _is_concrete(offset):
+        offset = int(offset)
+    if shapes.query_len < shapes.seq_len and shapes.query_len % block:
+        raise ValueError(
+            f"query: a shard of the sequence axis ({shapes.query_len} of key's {shapes.seq_len} rows) must hold "
+            f"a multiple of the pattern's block ({block}) rows"
+        )
+    if isinstance(offset, int) and (offset < 0 or offset % block or offset + shapes.query_len > shapes.seq_len):
+        raise ValueError(
+            f"query_offset must be a multiple of the pattern's block ({block}) between 0 and "
+            f"seq_len - query rows = {shapes.seq_len - shapes.query_len}, got {offset}"
+        )
+    return offset
 
 
 def gates(given: Mapping[str, object], declared: tuple[str, ...], pattern: str, shapes: Shapes) -> dict[str, jax.Array]:
-    """The gates that were passed (None = not passed), each [batch, seq_len, num_q_heads] float."""
+    """The gates that were passed (None = not passed), each [batch, query rows, num_q_heads] float."""
     out = {}
     for name, gate in given.items():
         if gate is None:
@@ -96,7 +126,7 @@ def gates(given: Mapping[str, object], declared: tuple[str, ...], pattern: str, 
             known = ", ".join(declared) if declared else "none"
             raise ValueError(f"{name}: pattern {pattern!r} has no gate of that name (its gates: {known})")
         gate = _array(name, gate)
-        expected = (shapes.batch, shapes.seq_len, shapes.heads_q)
+        expected = (shapes.batch, shapes.query_len, shapes.heads_q)
         if gate.shape != expected:
             raise ValueError(f"{name} must be [batch, seq_len, num_q_heads] = {list(expected)}, got shape {gate.shape}")
         if gate.dtype not in _FLOAT_DTYPES:
@@ -143,7 +173,7 @@ def _per_token(name: str, value: jax.Array, shapes: Shapes, block: int, cu: jax.
     """value in the per-token layout [B, T, HKV, *trailing], accepting ejkernel's per-query-block
     layout [B, HKV, ceil(T / block), *trailing] as well (not with cu_seqlens: its blocks are
     the packed row's, not the sequences')."""
-    b, t, h = shapes.batch, shapes.seq_len, shapes.heads_kv
+    b, t, h = shapes.batch, shapes.query_len, shapes.heads_kv
     num_blocks = -(-t // block)
     rank = 3 + len(trailing)
     if value.ndim == rank and value.shape[:3] == (b, t, h) and value.shape[3:] == trailing:
@@ -172,7 +202,7 @@ def selection(block_indices: object, block_counts: object, shapes: Shapes, block
     indices = _per_token("block_indices", indices, shapes, block, cu, (indices.shape[3],))
     if isinstance(block_counts, (int, np.integer)) and not isinstance(block_counts, bool):
         count = min(max(int(block_counts), 0), _INT32.max)
-        counts = jnp.full((shapes.batch, shapes.seq_len, shapes.heads_kv), count, jnp.int32)
+        counts = jnp.full((shapes.batch, shapes.query_len, shapes.heads_kv), count, jnp.int32)
     elif not isinstance(block_counts, (jax.Array, np.ndarray, list, tuple)):
         raise ValueError(f"block_counts must be an int or an integer array, got {block_counts!r}")
     else:

@@ -1,0 +1,336 @@
+"""Sparse attention over a device mesh: generated kernels inside `jax.shard_map`.
+
+    attention = nsa_dsl.compile("examples/nsa.nsa")
+    mesh = jax.make_mesh((2, 4), ("data", "context"))
+    layer = attention.sharded(mesh, batch_axis="data", sequence_axis="context")
+    out = layer(q, k, v, g_cmp=g_cmp, g_slc=g_slc, g_swa=g_swa)   # global arrays in and out
+
+Three ways to split the work, combinable, each an axis of the mesh (or a tuple of axes):
+
+- data parallel (`batch_axis`): batch rows are independent; each device runs its own rows.
+- head parallel (`head_axis`): each device runs a contiguous range of KV heads together with the
+  query heads of their groups, so no group is split (num_kv_heads must be divisible by the
+  axis size).
+- context parallel (`sequence_axis`): each device holds T / P consecutive rows of q, k, v, the
+  gates and explicit selections. Keys and values are all-gathered along the sequence axis and
+  the device's queries attend at their absolute rows (query_offset = shard index * T / P), so
+  causality, windows, block tables, compression (compressed keys pool the whole sequence) and
+  top-k selection see the keys they see on one device: results and gradients equal the
+  single-device ones. The gradient of the gather is a reduce-scatter, leaving each device the
+  key/value gradients of its own rows. T / P must be a multiple of the pattern's block; packed
+  sequences (cu_seqlens, global offsets, replicated) may straddle shard boundaries.
+  Memory: every device holds the whole sequence's keys and values of its heads.
+
+Data and head parallelism run on every platform; context parallelism needs kernels that take a
+shard of the queries (the XLA backend for now).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+
+import jax
+from jax import lax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from .config import NativeSparseAttentionConfig
+from .plan import plan as p
+from .runtime import dispatch, validate
+
+AxisName = str | tuple[str, ...] | None
+
+__all__ = ["AxisName", "ShardedAttention", "attend_shard", "selections_shard", "sharded_native_sparse_attention"]
+
+
+def attend_shard(plan: p.Plan, query, key, value, *, sequence_axis: AxisName = None, **options):
+    """`runtime.attend` on one shard, inside `jax.shard_map`: query [B, Tq, HQ, D] and key/value
+    [B, Tq, HKV, D] are this device's blocks (and the gates, block_indices and block_counts
+    options too); cu_seqlens (global row offsets) and softmax_scale are replicated. With
+    `sequence_axis`, the sequence is sharded along it (context parallelism): keys and values are
+    gathered from every shard of the axis and the queries attend at their absolute rows. Batch
+    and head sharding need no communication (or axis name) here."""
+    if sequence_axis is None:
+        return dispatch.attend(plan, query, key, value, **options)
+    key, value = (lax.all_gather(x, sequence_axis, axis=1, tiled=True) for x in (key, value))
+    offset = lax.axis_index(sequence_axis) * query.shape[1]
+    return dispatch.attend(plan, query, key, value, query_offset=offset, **options)
+
+
+def selections_shard(plan: p.Plan, query, key, value, *, sequence_axis: AxisName = None, **options):
+    """`runtime.selections` on one shard, inside `jax.shard_map` (as attend_shard)."""
+    if sequence_axis is None:
+        return dispatch.selections(plan, query, key, value, **options)
+    key, value = (lax.all_gather(x, sequence_axis, axis=1, tiled=True) for x in (key, value))
+    offset = lax.axis_index(sequence_axis) * query.shape[1]
+    return dispatch.selections(plan, query, key, value, query_offset=offset, **options)
+
+
+def _names(axis: AxisName) -> tuple[str, ...]:
+    return () if axis is None else (axis,) if isinstance(axis, str) else tuple(axis)
+
+
+@dataclass(frozen=True)
+class ShardedAttention:
+    """A pattern's attention over a device mesh (see the module's docstring).
+
+    Call it like SparseAttention, on global arrays: it validates them, builds the shard_map
+    with the PartitionSpecs below and returns the global output (sharded like the queries).
+    Inside your own `jax.shard_map`, call `per_shard` on the local blocks instead (it needs
+    only the sequence axis' name; `spec` and `gate_spec` are the PartitionSpecs to use).
+
+    mesh: the devices; None uses the mesh set with `jax.set_mesh` at call time.
+    batch_axis, head_axis, sequence_axis: mesh axis names (or tuples of them) that shard the
+    batch, the heads and the sequence; None leaves that dimension whole.
+    """
+
+    plan: p.Plan
+    config: NativeSparseAttentionConfig | None = None
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None
+    batch_axis: AxisName = None
+    head_axis: AxisName = None
+    sequence_axis: AxisName = None
+
+    def __post_init__(self) -> None:
+        seen: list[str] = []
+        for argument in ("batch_axis", "head_axis", "sequence_axis"):
+            axis = getattr(self, argument)
+            names = _names(axis)
+            if axis is not None and (not names or not all(isinstance(n, str) for n in names)):
+                raise ValueError(f"{argument} must be a mesh axis name, a tuple of them, or None; got {axis!r}")
+            if isinstance(axis, list):
+                object.__setattr__(self, argument, tuple(axis))  # hashable, like PartitionSpec entries
+            for name in names:
+                if name in seen:
+                    raise ValueError(f"{argument}: mesh axis {name!r} already shards another dimension")
+                seen.append(name)
+        if self.mesh is not None:
+            self._check_names(self.mesh)
+
+    @property
+    def spec(self) -> P:
+        """PartitionSpec of q, k, v, the output and block_indices ([B, T, H, ...])."""
+        return P(self.batch_axis, self.sequence_axis, self.head_axis, None)
+
+    @property
+    def gate_spec(self) -> P:
+        """PartitionSpec of gates and block_counts ([B, T, H])."""
+        return P(self.batch_axis, self.sequence_axis, self.head_axis)
+
+    def __call__(
+        self,
+        query,
+        key,
+        value,
+        *,
+        g_cmp=None,
+        g_slc=None,
+        g_swa=None,
+        cu_seqlens=None,
+        softmax_scale=None,
+        platform: str | None = None,
+        block_indices=None,
+        block_counts=None,
+        pool_fns=None,
+        **extra_gates,
+    ):
+        """Sparse attention of the pattern on global arrays (SparseAttention's arguments):
+        query [B, T, HQ, D], key/value [B, T, HKV, D], gates [B, T, HQ], block_indices
+        [B, T, HKV, S], block_counts int or [B, T, HKV], cu_seqlens [N + 1] (B == 1) ->
+        [B, T, HQ, D] sharded by `spec`. jit- and grad-safe."""
+        gates = {"g_cmp": g_cmp, "g_slc": g_slc, "g_swa": g_swa, **extra_gates}
+        given = dispatch.inputs(self.plan, query, key, value, gates=gates, cu_seqlens=cu_seqlens,
+                                softmax_scale=softmax_scale, block_indices=block_indices, block_counts=block_counts)
+        args = {"query": given.query, "key": given.key, "value": given.value, "gates": given.gates}
+        if given.block_indices is not None:
+            args.update(block_indices=given.block_indices, block_counts=given.block_counts)
+        return self._run("attention", given, args, platform, pool_fns)
+
+    def selections(self, query, key, value, *, cu_seqlens=None, softmax_scale=None, platform: str | None = None,
+                   pool_fns=None):
+        """The key blocks each topk branch selects, on global arrays: {branch name:
+        [B, T, HKV, count] block ids, -1 unused}, sharded by `spec`."""
+        if not any(isinstance(b, p.TopKBranch) for b in self.plan.branches):
+            raise ValueError(f"pattern {self.plan.name!r} has no topk branch")
+        query, key, value, shapes = validate.attention_inputs(query, key, value)
+        cu, scale = validate.cu_seqlens(cu_seqlens, shapes), validate.softmax_scale(softmax_scale, shapes)
+        given = dispatch.Inputs(query, key, value, shapes, {}, cu, scale, None, None)
+        args = {"query": given.query, "key": given.key, "value": given.value}
+        return self._run("selections", given, args, platform, pool_fns)
+
+    def per_shard(
+        self,
+        query,
+        key,
+        value,
+        *,
+        g_cmp=None,
+        g_slc=None,
+        g_swa=None,
+        cu_seqlens=None,
+        softmax_scale=None,
+        platform: str | None = None,
+        block_indices=None,
+        block_counts=None,
+        pool_fns=None,
+        **extra_gates,
+    ):
+        """The attention of one device's blocks, inside your own `jax.shard_map` over a mesh
+        with this object's axis names, the arguments partitioned by `spec` / `gate_spec`
+        (cu_seqlens and softmax_scale replicated). Returns this device's output block."""
+        gates = {"g_cmp": g_cmp, "g_slc": g_slc, "g_swa": g_swa, **extra_gates}
+        return attend_shard(
+            self.plan, query, key, value, sequence_axis=self.sequence_axis, gates=gates, cu_seqlens=cu_seqlens,
+            softmax_scale=softmax_scale, block_indices=block_indices, block_counts=block_counts, platform=platform,
+            config=self.config, pool_fns=pool_fns,
+        )
+
+    # ---- building the shard_map -------------------------------------------------------------
+
+    def _check_names(self, mesh) -> None:
+        for argument in ("batch_axis", "head_axis", "sequence_axis"):
+            for name in _names(getattr(self, argument)):
+                if name not in mesh.axis_names:
+                    raise ValueError(f"{argument}: the mesh has no axis {name!r} (its axes: {', '.join(mesh.axis_names)})")
+
+    def _mesh(self):
+        mesh = self.mesh if self.mesh is not None else jax.sharding.get_abstract_mesh()
+        if mesh.empty:
+            raise ValueError("mesh: pass a jax.sharding.Mesh to sharded(), or call under `with jax.set_mesh(mesh):`")
+        self._check_names(mesh)
+        return mesh
+
+    def _sizes(self, mesh, given: dispatch.Inputs) -> tuple[int, int, int]:
+        """Devices along the batch, head and sequence axes, once the shapes are checked against them."""
+        batch, heads, sequence = (
+            math.prod(mesh.shape[n] for n in _names(axis)) for axis in (self.batch_axis, self.head_axis, self.sequence_axis)
+        )
+        shapes = given.shapes
+        if shapes.batch % batch:
+            packed = " (cu_seqlens packs sequences into a single batch row: shard them along the sequence instead)"
+            raise ValueError(
+                f"query: batch {shapes.batch} is not divisible by the {batch} devices of batch_axis "
+                f"{self.batch_axis!r}{packed if given.cu_seqlens is not None else ''}"
+            )
+        if shapes.heads_kv % heads:
+            raise ValueError(
+                f"key: num_kv_heads {shapes.heads_kv} is not divisible by the {heads} devices of head_axis "
+                f"{self.head_axis!r}; query heads are sharded with their KV head so that no group of "
+                f"{shapes.heads_q // shapes.heads_kv} query heads is split"
+            )
+        block = self.plan.block_size
+        if sequence > 1 and shapes.seq_len % (sequence * block):
+            raise ValueError(
+                f"query: seq_len {shapes.seq_len} must be divisible by the {sequence} devices of sequence_axis "
+                f"{self.sequence_axis!r} times the pattern's block ({block}): each shard holds whole blocks"
+            )
+        return batch, heads, sequence
+
+    def _run(self, entry: str, given: dispatch.Inputs, args: dict, platform: str | None, pool_fns):
+        mesh = self._mesh()
+        sequence = self._sizes(mesh, given)[2]
+        platform = dispatch.choose_platform(self.plan, platform, self.config, query_shard=sequence > 1)
+        scale = given.softmax_scale
+        if not isinstance(scale, float):  # an array, maybe traced: an argument, replicated
+            args["softmax_scale"], scale = scale, None
+        if given.cu_seqlens is not None:
+            args["cu_seqlens"] = given.cu_seqlens
+        layout = (entry, platform, scale, tuple(sorted(args)))
+        if pool_fns:  # they close over parameters: traced along by the caller's jit, never cached
+            return self._mapped(mesh, layout, sequence > 1, pool_fns)(args)
+        return _jitted(self, mesh, layout, sequence > 1)(args)
+
+    def _mapped(self, mesh, layout, context_parallel: bool, pool_fns=None) -> Callable:
+        """shard_map of the per-shard entry over `mesh` for arguments {name: array} of `layout`."""
+        entry, platform, scale, names = layout
+        specs = {
+            "query": self.spec, "key": self.spec, "value": self.spec, "block_indices": self.spec,
+            "gates": self.gate_spec, "block_counts": self.gate_spec, "cu_seqlens": P(), "softmax_scale": P(),
+        }
+        in_specs = {name: specs[name] for name in names}
+        out_specs = self.spec
+        if entry == "selections":
+            out_specs = {b.name: self.spec for b in self.plan.branches if isinstance(b, p.TopKBranch)}
+        sequence_axis = self.sequence_axis if context_parallel else None
+
+        def per_device(args: Mapping[str, jax.Array]):
+            options = dict(args)
+            query, key, value = options.pop("query"), options.pop("key"), options.pop("value")
+            options.setdefault("softmax_scale", scale)
+            options.update(platform=platform, config=self.config, pool_fns=pool_fns, sequence_axis=sequence_axis)
+            shard_entry = attend_shard if entry == "attention" else selections_shard
+            return shard_entry(self.plan, query, key, value, **options)
+
+        mapped = jax.shard_map(per_device, mesh=mesh, in_specs=(in_specs,), out_specs=out_specs)
+        explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit}
+        if not explicit:
+            return mapped  # shard_map moves inputs of Auto axes where in_specs say
+
+        def placed(args):  # arguments on Explicit axes must already be where in_specs say
+            def move(x, spec):
+                kept = [tuple(n for n in _names(axis) if n in explicit) or None for axis in spec]
+                return jax.sharding.reshard(x, NamedSharding(mesh, P(*kept)))
+
+            moved = jax.tree.map(lambda spec, arg: jax.tree.map(lambda x: move(x, spec), arg), in_specs, args,
+                                 is_leaf=lambda x: isinstance(x, P))
+            return mapped(moved)
+
+        return placed
+
+
+@functools.lru_cache(maxsize=64)
+def _jitted(sharded: ShardedAttention, mesh, layout, context_parallel: bool) -> Callable:
+    return jax.jit(sharded._mapped(mesh, layout, context_parallel))
+
+
+def sharded_native_sparse_attention(mesh=None, *, batch_axis: AxisName = None, head_axis: AxisName = None,
+                                    sequence_axis: AxisName = None, block_size: int = 64) -> Callable:
+    """ejkernel's `native_sparse_attention` over a mesh (the axes as ShardedAttention's): returns
+    fn(query, key, value, g_cmp=None, g_slc=None, block_indices=None, block_counts=16,
+    cu_seqlens=None, /, *, softmax_scale=None, platform=None, cfg=None) on global arrays.
+
+    cfg None, "autotune" or "heuristic" is chosen by the Kernel interface (nsa_dsl.kernel) for
+    one shard's arguments -- an Invocation with method="shard_map", whose candidates are
+    candidate_cfgs_shard_map_* -- and a NativeSparseAttentionConfig is used as given. With the
+    sequence sharded, the automatic platform is one that runs a shard of the queries."""
+    from .kernel import NativeSparseAttention, nsa_plan  # the Kernel interface is built on the runtime
+
+    kernel = NativeSparseAttention(block_size)
+
+    def attention(query, key, value, g_cmp=None, g_slc=None, block_indices=None, block_counts=16, cu_seqlens=None, /,
+                  *, softmax_scale=None, platform: str | None = None, cfg=None):
+        given_cfg = isinstance(cfg, NativeSparseAttentionConfig)
+        plan = nsa_plan(cfg.block_size if given_cfg else kernel.block_size, g_cmp, block_indices, block_counts)
+        selection = {} if g_cmp is not None else {"block_indices": block_indices, "block_counts": block_counts}
+        if g_cmp is not None and block_indices is not None:
+            warnings.warn("native_sparse_attention: block_indices are ignored when g_cmp is given (top-k selects the blocks)",
+                          stacklevel=2)
+        layer = ShardedAttention(plan, None, mesh, batch_axis, head_axis, sequence_axis)
+        if not given_cfg:
+            given = dispatch.inputs(plan, query, key, value, gates={"g_cmp": g_cmp, "g_slc": g_slc}, cu_seqlens=cu_seqlens,
+                                    softmax_scale=softmax_scale, **selection)
+            batch, heads, sequence = layer._sizes(layer._mesh(), given)
+            platform = dispatch.choose_platform(plan, platform, None, query_shard=sequence > 1)
+
+            def one_shard(x):  # [B, T, H, ...] -> one device's block, abstract
+                if x is None:
+                    return None
+                shape = (x.shape[0] // batch, x.shape[1] // sequence, x.shape[2] // heads, *x.shape[3:])
+                return jax.ShapeDtypeStruct(shape, x.dtype)
+
+            counts = block_counts if g_cmp is not None else one_shard(given.block_counts)
+            cu = None if given.cu_seqlens is None else jax.ShapeDtypeStruct(given.cu_seqlens.shape, given.cu_seqlens.dtype)
+            invocation = kernel.invocation(
+                one_shard(given.query), one_shard(given.key), one_shard(given.value), one_shard(given.gates.get("g_cmp")),
+                one_shard(given.gates.get("g_slc")), one_shard(given.block_indices), counts, given.softmax_scale, cu,
+                platform, method="shard_map",
+            )
+            cfg = kernel.choose_cfg(invocation, cfg)
+        return replace(layer, config=cfg)(query, key, value, g_cmp=g_cmp, g_slc=g_slc, cu_seqlens=cu_seqlens,
+                                          softmax_scale=softmax_scale, platform=platform, **selection)
+
+    return attention
