@@ -3,7 +3,7 @@
 Run on a machine with a GPU build of jax, triton and jax-triton, from the repository root:
 
     PYTHONPATH=. python benchmarks/gpu_check.py [--out DIR] [--lengths 8192,32768,65536] [--dtypes ...]
-        [--only CASE,...] [--skip-correctness] [--skip-timing] [--tune T]
+        [--only CASE,...] [--skip-correctness] [--skip-timing] [--tune T] [--platforms triton,pallas]
 
 1. Correctness: explicit per-token selection through `nsa_dsl.native_sparse_attention(...,
    platform="triton")` (jax-triton kernels) in bfloat16, float16 and float32 on small random
@@ -11,7 +11,11 @@ Run on a machine with a GPU build of jax, triton and jax-triton, from the reposi
    block_counts, out-of-range and repeated entries, cu_seqlens — forward and the gradients of
    q, k, v and the gate, each against tests/reference.py's float64 dense reference; the same for
    static patterns (window + global, nested set algebra bidirectional, two gated branches on
-   packed sequences). Reported as max |error| / max |reference| per output.
+   packed sequences); and Native Sparse Attention (compression, top-k selection, sliding window;
+   the paper's and the mean-pooled configuration, selection per block of queries, packed
+   sequences) against tests/nsa_reference.py: the selected blocks' reference scores ("sel": the
+   largest gap to the reference's best), outputs and gradients. Reported as max |error| /
+   max |reference| per output.
 2. Timing at the issue's setting: B=1, HQ=64, HKV=4, D=128, 16 selected blocks of 64, bfloat16,
    random per-token selections (sorted, distinct, causal block ids), T = 8k/32k/64k: forward and
    forward+backward, median milliseconds of jitted calls (block_until_ready), next to the figures
@@ -19,6 +23,8 @@ Run on a machine with a GPU build of jax, triton and jax-triton, from the reposi
    512-token sliding window (a static branch) next to the issue's cuDNN figures.
 3. With --tune T: where the time of a selection call goes, and each kernel's tile size and
    launch settings, at length T.
+4. With --platforms triton,pallas: the correctness table and the timings for each platform in
+   turn (pallas: Pallas kernels lowered through Pallas' Triton backend).
 
 Every case runs in its own try/except: a failure is printed and recorded, and the run goes on.
 Results go to stdout as tables and to DIR/gpu_check.json (DIR: --out, else $OUT, else .).
@@ -41,6 +47,7 @@ from importlib import metadata
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
+sys.path.insert(0, os.path.join(REPO_ROOT, "tests"))  # tests/nsa_reference.py imports `reference`
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -97,7 +104,7 @@ def random_problem(rng, B, T, HQ, HKV, D, S, block, cu):
     return q, k, v, gate, indices, counts, d_out
 
 
-def check_case(name, dtype, B, T, HQ, HKV, D, S, block, cu) -> dict:
+def check_case(name, dtype, B, T, HQ, HKV, D, S, block, cu, platform="triton") -> dict:
     rng = np.random.default_rng(zlib.crc32(f"{name} {dtype}".encode()))
     q, k, v, gate, indices, counts, d_out = random_problem(rng, B, T, HQ, HKV, D, S, block, cu)
     cfg = nsa_dsl.NativeSparseAttentionConfig(block_size=block)
@@ -107,7 +114,7 @@ def check_case(name, dtype, B, T, HQ, HKV, D, S, block, cu) -> dict:
     cu_arg = None if cu is None else np.asarray(cu, np.int32)
 
     def f(q, k, v, gate):
-        return nsa_dsl.native_sparse_attention(q, k, v, None, gate, indices, counts, cu_arg, platform="triton", cfg=cfg)
+        return nsa_dsl.native_sparse_attention(q, k, v, None, gate, indices, counts, cu_arg, platform=platform, cfg=cfg)
 
     out, vjp = jax.vjp(jax.jit(f), cast(q), cast(k), cast(v), cast(gate))
     grads = vjp(cast(d_out))
@@ -150,7 +157,7 @@ STATIC_CASES = [
 ]
 
 
-def check_static_case(name, dtype, B, T, HQ, HKV, D, cu) -> dict:
+def check_static_case(name, dtype, B, T, HQ, HKV, D, cu, platform="triton") -> dict:
     rng = np.random.default_rng(zlib.crc32(f"{name} {dtype}".encode()))
     attention, gate_names = static_pattern(name)
     q, k, v, _, _, _, d_out = random_problem(rng, B, T, HQ, HKV, D, 1, 64, cu)
@@ -161,7 +168,7 @@ def check_static_case(name, dtype, B, T, HQ, HKV, D, cu) -> dict:
     cu_arg = None if cu is None else np.asarray(cu, np.int32)
 
     def f(q, k, v, *gate_values):
-        return attention(q, k, v, cu_seqlens=cu_arg, platform="triton", **dict(zip(gate_names, gate_values)))
+        return attention(q, k, v, cu_seqlens=cu_arg, platform=platform, **dict(zip(gate_names, gate_values)))
 
     out, vjp = jax.vjp(jax.jit(f), cast(q), cast(k), cast(v), *(cast(gates[n]) for n in gate_names))
     grads = vjp(cast(d_out))
@@ -190,10 +197,92 @@ def relative_errors(pairs) -> dict:
     return errors
 
 
-def run_correctness(dtypes, only=None) -> list[dict]:
-    log("\n== correctness: triton platform vs float64 reference (max |error| / max |reference|) ==")
+NSA_CASES = [
+    # name, B, T, HQ, HKV, D, cu_seqlens
+    ("nsa paper gqa4 d64", 1, 333, 8, 2, 64, None),
+    ("nsa mean gqa16 d128", 1, 700, 16, 1, 128, [0, 15, 205, 550, 690]),
+    ("nsa per-block d100", 2, 257, 6, 2, 100, None),
+]
+
+
+def nsa_pattern(name):
+    """NSA patterns for the correctness table: (.nsa text, tests/nsa_reference.py's NsaSpec)."""
+    from tests.nsa_reference import NsaSpec
+
+    patterns = {
+        # examples/nsa.nsa at block 32: l = 16, d = 8, 4 blocks of 32, window 64
+        "nsa paper gqa4 d64": (
+            (
+                "branch cmp = compress(block=16, stride=8) gate g_cmp\n"
+                "branch slc = topk(4, block=32, score=cmp, force=global(first=1) | local(2)) gate g_slc\n"
+                "branch swa = window(64) gate g_swa\n"
+            ),
+            NsaSpec(16, 8, 4, 32, window=64, forced=lambda qb, kb: kb < 1 or qb - 2 < kb <= qb),
+        ),
+        # examples/nsa_meanpool.nsa at block 32
+        "nsa mean gqa16 d128": (
+            (
+                "branch cmp = compress(block=32, stride=32) gate g_cmp\n"
+                "branch slc = topk(6, block=32, score=cmp, force=local(1)) gate g_slc\n"
+            ),
+            NsaSpec(32, 32, 6, 32, forced=lambda qb, kb: kb == qb),
+        ),
+        "nsa per-block d100": (
+            (
+                "branch cmp = compress(block=32, stride=16) gate g_cmp\n"
+                "branch slc = topk(3, block=32, score=cmp, force=global(first=1)) per block(16) gate g_slc\n"
+            ),
+            NsaSpec(32, 16, 3, 32, query_block=16, forced=lambda qb, kb: kb < 1),
+        ),
+    }
+    branches, spec = patterns[name]
+    return "pattern check\nblock 32\ncausal\n" + branches, spec
+
+
+def check_nsa_case(name, dtype, B, T, HQ, HKV, D, cu, platform="pallas") -> dict:
+    from tests.nsa_reference import nsa_gradients, nsa_reference
+
+    rng = np.random.default_rng(zlib.crc32(f"{name} {dtype}".encode()))
+    text, spec = nsa_pattern(name)
+    attention = nsa_dsl.compile(text)
+    gate_names = sorted(g.name for g in attention.plan.gates)
+    q, k, v, _, _, _, d_out = random_problem(rng, B, T, HQ, HKV, D, 1, 64, cu)
+    gates = {n: rng.uniform(0.1, 1.0, (B, T, HQ)).astype(np.float32) for n in gate_names}
+    cast = lambda x: jnp.asarray(x, dtype)  # noqa: E731
+    q, k, v, d_out = (np.asarray(cast(x), np.float64) for x in (q, k, v, d_out))
+    gates = {n: np.asarray(cast(g), np.float64) for n, g in gates.items()}
+    cu_arg = None if cu is None else np.asarray(cu, np.int32)
+
+    (chosen,) = attention.selections(cast(q), cast(k), cast(v), cu_seqlens=cu_arg, platform=platform).values()
+    chosen = np.asarray(chosen)
+
+    def f(q, k, v, *gate_values):
+        return attention(q, k, v, cu_seqlens=cu_arg, platform=platform, **dict(zip(gate_names, gate_values)))
+
+    out, vjp = jax.vjp(jax.jit(f), cast(q), cast(k), cast(v), *(cast(gates[n]) for n in gate_names))
+    grads = vjp(cast(d_out))
+    weights = {n.removeprefix("g_"): g for n, g in gates.items()}
+    _, _, best, scores = nsa_reference(q, k, v, spec, gates=weights, cu_seqlens=cu)
+    # The chosen blocks' reference scores against the reference's best (ties may swap ids).
+    got, want = (
+        np.sort(np.where(c >= 0, np.take_along_axis(scores, np.maximum(c, 0), axis=-1), -np.inf), axis=-1)
+        for c in (chosen, best)
+    )
+    finite = np.isfinite(want)
+    same = (np.isfinite(got) == finite).all()
+    selection_gap = float(np.abs(got[finite] - want[finite]).max() / np.abs(want[finite]).max()) if same else float("inf")
+    expected, _, _, _ = nsa_reference(q, k, v, spec, gates=weights, cu_seqlens=cu, selected=chosen)
+    wanted = nsa_gradients(q, k, v, spec, weights, chosen, d_out, cu_seqlens=cu)
+    pairs = {"o": (out, expected), "dq": (grads[0], wanted["q"]), "dk": (grads[1], wanted["k"]), "dv": (grads[2], wanted["v"])}
+    pairs["dgate"] = (grads[3], wanted[gate_names[0]])
+    return {**relative_errors(pairs), "sel": selection_gap}
+
+
+def run_correctness(dtypes, only=None, platform="triton") -> list[dict]:
+    log(f"\n== correctness: {platform} platform vs float64 reference (max |error| / max |reference|) ==")
     log(f"{'case':<18} {'dtype':<9} {'o':>9} {'dq':>9} {'dk':>9} {'dv':>9} {'dgate':>9}  verdict")
     cases = [("selection", case) for case in CORRECTNESS_CASES] + [("static", case) for case in STATIC_CASES]
+    cases += [("nsa", case) for case in NSA_CASES]
     cases = [(kind, case) for kind, case in cases if only is None or case[0] in only]
     rows = []
     for dtype in dtypes:
@@ -201,12 +290,13 @@ def run_correctness(dtypes, only=None) -> list[dict]:
             if kind == "selection":
                 name, B, T, HQ, HKV, D, S, block, cu = case
                 shape = dict(B=B, T=T, HQ=HQ, HKV=HKV, D=D, S=S, block=block, cu_seqlens=cu)
-                check = functools.partial(check_case, name, jnp.dtype(dtype), B, T, HQ, HKV, D, S, block, cu)
+                check = functools.partial(check_case, name, jnp.dtype(dtype), B, T, HQ, HKV, D, S, block, cu, platform)
             else:
                 name, B, T, HQ, HKV, D, cu = case
                 shape = dict(B=B, T=T, HQ=HQ, HKV=HKV, D=D, cu_seqlens=cu)
-                check = functools.partial(check_static_case, name, jnp.dtype(dtype), B, T, HQ, HKV, D, cu)
-            row = {"kind": kind, "case": name, "dtype": dtype, "shape": shape}
+                checker = check_static_case if kind == "static" else check_nsa_case
+                check = functools.partial(checker, name, jnp.dtype(dtype), B, T, HQ, HKV, D, cu, platform)
+            row = {"kind": kind, "case": name, "dtype": dtype, "shape": shape, "platform": platform}
             try:
                 started = time.perf_counter()
                 errors = check()
@@ -258,8 +348,8 @@ def median_ms(fn, *args, repeats: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
-def run_timing(lengths, HQ=64, HKV=4, D=128, S=16, block=64, dtype="bfloat16") -> list[dict]:
-    log(f"\n== timing: selection, B=1 HQ={HQ} HKV={HKV} D={D} S={S} block={block} {dtype} ==")
+def run_timing(lengths, HQ=64, HKV=4, D=128, S=16, block=64, dtype="bfloat16", platform="triton") -> list[dict]:
+    log(f"\n== timing: {platform} selection, B=1 HQ={HQ} HKV={HKV} D={D} S={S} block={block} {dtype} ==")
     log(f"{'T':>7} {'mode':<7} {'ours ms':>9} {'FLA ms':>8} {'FLA/ours':>9}")
     cfg = nsa_dsl.NativeSparseAttentionConfig(block_size=block)
     rows = []
@@ -278,7 +368,7 @@ def run_timing(lengths, HQ=64, HKV=4, D=128, S=16, block=64, dtype="bfloat16") -
             continue
 
         def forward(q, k, v, indices):
-            return nsa_dsl.native_sparse_attention(q, k, v, None, None, indices, S, platform="triton", cfg=cfg)
+            return nsa_dsl.native_sparse_attention(q, k, v, None, None, indices, S, platform=platform, cfg=cfg)
 
         def forward_backward(q, k, v, indices, d_out):
             out, vjp = jax.vjp(lambda q, k, v: forward(q, k, v, indices), q, k, v)
@@ -289,7 +379,7 @@ def run_timing(lengths, HQ=64, HKV=4, D=128, S=16, block=64, dtype="bfloat16") -
             "fwdbwd": (jax.jit(forward_backward), (q, k, v, indices, d_out)),
         }
         for mode, (fn, args) in modes.items():
-            row = {"T": T, "mode": mode, "HQ": HQ, "HKV": HKV, "D": D, "S": S, "block": block, "dtype": dtype}
+            row = {"T": T, "mode": mode, "HQ": HQ, "HKV": HKV, "D": D, "S": S, "block": block, "dtype": dtype, "platform": platform}
             try:
                 repeats = 20 if T <= 32768 else 10
                 row["ms"] = median_ms(fn, *args, repeats=repeats)
@@ -309,8 +399,8 @@ def run_timing(lengths, HQ=64, HKV=4, D=128, S=16, block=64, dtype="bfloat16") -
 WINDOW_MS = {"cudnn": {8192: 0.39, 32768: 1.45, 65536: 3.15}, "flex": {8192: 0.53, 32768: 2.59, 65536: 5.24}}
 
 
-def run_window_timing(lengths, HQ=64, HKV=4, D=128, window=512, dtype="bfloat16") -> list[dict]:
-    log(f"\n== timing: sliding window {window} (static branch), B=1 HQ={HQ} HKV={HKV} D={D} {dtype} ==")
+def run_window_timing(lengths, HQ=64, HKV=4, D=128, window=512, dtype="bfloat16", platform="triton") -> list[dict]:
+    log(f"\n== timing: {platform} sliding window {window} (static branch), B=1 HQ={HQ} HKV={HKV} D={D} {dtype} ==")
     log(f"{'T':>7} {'mode':<7} {'ours ms':>9} {'cuDNN ms':>9} {'cuDNN/ours':>11}")
     attention = nsa_dsl.compile(f"pattern swa\nblock 64\ncausal\nbranch main = window({window})\n")
     rows = []
@@ -323,14 +413,14 @@ def run_window_timing(lengths, HQ=64, HKV=4, D=128, window=512, dtype="bfloat16"
         d_out = jax.random.normal(kd, (1, T, HQ, D), dtype)
 
         def forward(q, k, v):
-            return attention(q, k, v, platform="triton")
+            return attention(q, k, v, platform=platform)
 
         def forward_backward(q, k, v, d_out):
             out, vjp = jax.vjp(forward, q, k, v)
             return out, vjp(d_out)
 
         for mode, fn, args in (("fwd", forward, (q, k, v)), ("fwdbwd", forward_backward, (q, k, v, d_out))):
-            row = {"T": T, "mode": mode, "window": window}
+            row = {"T": T, "mode": mode, "window": window, "platform": platform}
             try:
                 row["ms"] = median_ms(jax.jit(fn), *args, repeats=20 if T <= 32768 else 10)
                 cudnn = WINDOW_MS["cudnn"].get(T) if mode == "fwd" else None
@@ -432,7 +522,9 @@ def main() -> None:
     parser.add_argument("--skip-correctness", action="store_true")
     parser.add_argument("--skip-timing", action="store_true")
     parser.add_argument("--tune", type=int, default=0, metavar="T", help="also time launch settings at length T")
+    parser.add_argument("--platforms", default="triton", help="comma-separated platforms to check and time: triton, pallas")
     args = parser.parse_args()
+    platforms = args.platforms.split(",")
 
     info = versions()
     log("versions:", json.dumps(info))
@@ -440,11 +532,12 @@ def main() -> None:
         log("warning: jax has no GPU here; the triton platform runs in the interpreter (slow)")
     result = {"versions": info, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     if not args.skip_correctness:
-        result["correctness"] = run_correctness(args.dtypes.split(","), args.only.split(",") if args.only else None)
+        only = args.only.split(",") if args.only else None
+        result["correctness"] = [row for p in platforms for row in run_correctness(args.dtypes.split(","), only, p)]
     if not args.skip_timing:
         lengths = [int(t) for t in args.lengths.split(",")]
-        result["timing"] = run_timing(lengths)
-        result["window_timing"] = run_window_timing(lengths)
+        result["timing"] = [row for p in platforms for row in run_timing(lengths, platform=p)]
+        result["window_timing"] = [row for p in platforms for row in run_window_timing(lengths, platform=p)]
     if args.tune:
         result["tuning"] = run_tuning(args.tune)
     os.makedirs(args.out, exist_ok=True)

@@ -1,7 +1,13 @@
-"""The Triton kernels for static patterns (block tables, token masks on partial tiles), run in
-Triton's interpreter on the CPU, against the float64 reference built from the pattern oracle:
-forward and gradients, float32 and float16, causal and bidirectional, every atom and operator,
-GQA groups 2/3/16 (16 heads span two head chunks), packed sequences, gated branches."""
+"""The Triton kernels of static branches, run in Triton's interpreter on the CPU, against the
+float64 reference built from the pattern oracle: forward and gradients, float32 and float16.
+
+Branches whose keys are ranges of the query position (nsa_dsl.plan.ranges: windows, local
+blocks, global prefixes, every key, a stride progression, and unions of them) compute their key
+ranges in the kernel; the rest walk their block tables. Both, and several range branches fused
+into one launch with gates in its epilogue, on odd lengths, non-power-of-two head dims, GQA
+groups 1/3/4/16, query tiles holding several heads, packed sequences and batches. Tiles are set
+small (cfg.block_q / block_k) so that every loop -- masked and unmasked steps, each range of a
+union, both segments of a progression -- runs on these short sequences."""
 
 from __future__ import annotations
 
@@ -10,20 +16,34 @@ import jax.numpy as jnp
 import numpy as np
 import reference
 from conftest import assert_close, gate, normal, qkv
+
+from nsa_dsl import codegen
 from nsa_dsl.api import SparseAttention
+from nsa_dsl.config import NativeSparseAttentionConfig
 from nsa_dsl.dsl import model
-from nsa_dsl.plan import lower
+from nsa_dsl.plan import lower, lower_keys
+from nsa_dsl.plan.ranges import EVERY_KEY, MAX_TOKENS, KeyRanges, key_ranges, static_launches
+from nsa_dsl.runtime.platform import for_device
 
 W, L, S, G, BL, R = model.Window, model.Local, model.Stride, model.Global, model.Blocks, model.Random
+U = lambda *parts: model.Union(parts)
 
 TOLERANCE = {np.float32: 2e-5, np.float16: 5e-3}
 
 
-def compiled(keys_by_branch, *, causal=True, block=16, gates=None) -> SparseAttention:
+def compiled(keys_by_branch, *, causal=True, block=16, gates=None, tiles=(16, 16), heads=None) -> SparseAttention:
+    """A pattern of one static branch per key set; its Triton kernels take tiles of tiles[0]
+    queries and tiles[1] keys, and the forward and dq query tiles hold `heads` query heads."""
     gates = gates or [None] * len(keys_by_branch)
     branches = tuple(model.Branch(f"b{i}", keys, g) for i, (keys, g) in enumerate(zip(keys_by_branch, gates)))
     pattern = model.Pattern("test", block, causal, (), branches)
-    return SparseAttention(pattern, lower(pattern))
+    config = NativeSparseAttentionConfig(block_size=block, block_q=tiles[0], block_k=tiles[1])
+    attention = SparseAttention(pattern, lower(pattern), config)
+    if heads is not None:  # a module constant, read when the kernels are first traced
+        module = codegen.load_module("triton", attention.plan, for_device(config))
+        for kernel in ("static_forward", "static_fused_forward", "static_backward_dq"):
+            module.STATIC_TILES[kernel] = (*module.STATIC_TILES[kernel][:2], heads)
+    return attention
 
 
 def check(rng, attention, q, k, v, gates=None, cu_seqlens=None):
@@ -60,27 +80,131 @@ def check(rng, attention, q, k, v, gates=None, cu_seqlens=None):
         assert_close(actual, wanted, tolerance, f"d{name}")
 
 
-def test_causal_union_of_window_global_and_stride(rng):
-    attention = compiled([model.Union((W(20), G(1), S(3, 1)))])
-    check(rng, attention, *qkv(rng, 1, 75, 4, 2, 24))
+# ---- which form a branch takes -----------------------------------------------------------------
+
+
+def test_range_forms_of_key_sets():
+    def form(keys, causal=True):
+        return key_ranges(lower_keys(keys), 16, causal)
+
+    assert form(W(512)) == KeyRanges(False, 0, W(512), None, None)
+    # windows that hold the query merge, so do locals; globals keep the longest prefix
+    assert form(U(W(8, 2), W(3, 5), L(2), L(1, 1), G(2), G(3))) == KeyRanges(False, 3, W(8, 5), L(2, 1), None)
+    assert form(U(L(2), S(8, 7))) == KeyRanges(False, 0, None, L(2), S(8, 7))
+    assert form(W(0, 4)) == KeyRanges(False, 0, W(0, 4), None, None)  # one range need not hold the query
+    # every key: stride(1), or a part reaching past every sequence (in both directions unless causal)
+    for every_key in (U(W(5), S(1)), L(2**31 - 1), U(G(1), W(2**40)), G(2**40)):
+        assert form(every_key) == EVERY_KEY, every_key
+    assert form(L(2**31 - 1, 2), causal=False) == KeyRanges(False, 0, None, L(MAX_TOKENS // 16, 2), None)
+    assert form(U(W(3, 2**31), S(2**40, 2**39)), causal=False) == KeyRanges(
+        False, 0, W(3, MAX_TOKENS), None, S(MAX_TOKENS // 16, MAX_TOKENS // 16)  # clamped: no int32 overflow
+    )
+    for table in (
+        R(2, 1),
+        BL((0, 3)),
+        model.Intersection((W(40), S(2))),
+        model.Difference(L(4), W(5)),
+        U(W(5), R(1, 0)),
+        U(S(2), S(3)),  # two progressions may share blocks
+        U(W(0, 4), L(2)),  # the window misses the query: the union may have a gap
+    ):
+        assert form(table) is None, table
+
+
+def test_range_branches_share_a_launch_and_read_no_table():
+    pattern = model.Pattern("p", 64, True, (), (
+        model.Branch("swa", W(512), model.Gate("g_swa")),
+        model.Branch("sink", G(1)),
+        model.Branch("drawn", R(2, 0)),
+    ))
+    plan = lower(pattern)
+    launches = static_launches(plan)
+    assert [(launch.name, launch.fused, launch.ranges is None) for launch in launches] == [
+        ("swa_sink", True, False), ("drawn", False, True),
+    ]
+    source = codegen.source("triton", plan, None)
+    assert "fused_output(\n        static_kernels_swa_sink," in source
+    assert 'table_attention(Static(static_kernels_drawn' in source
+    assert 'tables["swa"]' not in source and 'tables["sink"]' not in source
+    forward = source[source.index("def branch_forward_swa("):source.index("def branch_dq_swa(")]
+    assert "q_first - 511" in forward and "tl.load" not in forward  # the window's range, from its constants
+
+
+def test_tiles_shrink_to_fit_wide_heads_and_float32_in_shared_memory():
+    plan = compiled([U(W(64), S(4, 1))], block=64).plan
+    module = codegen.load_module("triton", plan, None)
+    spec = module.Static(module.static_kernels_b0, 2, 4, 192, False)
+    for dtype, itemsize in (("bfloat16", 2), ("float32", 4)):
+        row = 256 * itemsize  # head dim 192, padded to 256
+        forward = module.range_settings(spec, "static_forward", dtype)
+        dq = module.range_settings(spec, "static_backward_dq", dtype)
+        dkdv = module.range_settings(spec, "static_backward_dkdv", dtype)
+        assert forward["HEADS"] * forward["BLOCK_M"] * row <= module.RESIDENT_BYTES
+        assert 2 * dq["HEADS"] * dq["BLOCK_M"] * row <= module.RESIDENT_BYTES  # q and d_out
+        assert 2 * dkdv["BLOCK_N"] * row <= module.RESIDENT_BYTES  # k and v
+        for settings, step in ((forward, "BLOCK_N"), (dq, "BLOCK_N"), (dkdv, "BLOCK_M")):
+            assert 2 * 2 * settings[step] * row <= module.PIPELINE_BYTES  # two stages of a step's two tiles
+        assert forward["UNIT"] % 64 == 0 and forward["UNIT"] % forward["BLOCK_N"] == 0  # steps align to blocks
+        assert dkdv["BLOCK_N"] <= 64  # a dk/dv key tile within one block of the progression
+    assert module.range_settings(spec, "static_forward", "bfloat16")["BLOCK_M"] == module.STATIC_TILES["static_forward"][0]
+
+
+# ---- range branches ----------------------------------------------------------------------------
+
+
+def test_causal_window_gqa3_odd_length_padded_head_dim(rng):
+    attention = compiled([W(40)])
+    check(rng, attention, *qkv(rng, 1, 45, 3, 1, 24))
+
+
+def test_every_key_causal_batch_float16_two_heads_a_tile(rng):
+    attention = compiled([L(2**31 - 1)], tiles=(16, 32), heads=2)  # every block up to the query's
+    check(rng, attention, *qkv(rng, 2, 37, 4, 1, 16, dtype=np.float16))
+
+
+def test_prefix_and_window_on_packed_sequences_float16(rng):
+    attention = compiled([U(W(20), G(1))], tiles=(16, 32))
+    q, k, v = qkv(rng, 1, 64, 2, 2, 16, dtype=np.float16)
+    check(rng, attention, q, k, v, cu_seqlens=np.array([0, 9, 40, 61], np.int32))
+
+
+def test_local_blocks_and_a_stride_progression(rng):
+    attention = compiled([U(L(2), S(3, 2))], tiles=(32, 16))
+    check(rng, attention, *qkv(rng, 1, 90, 2, 1, 20))
+
+
+def test_bidirectional_union_of_every_range_kind_gqa16(rng):
+    # keys a step (32) span two blocks of the progression; dk/dv key tiles shrink to one block
+    attention = compiled([U(W(7, 9), L(1, 1), S(4, 1), G(1))], causal=False, tiles=(16, 32), heads=4)
+    check(rng, attention, *qkv(rng, 1, 40, 16, 1, 12))
+
+
+def test_fused_gated_branches_with_a_table_branch_beside(rng):
+    gates = [model.Gate("g_swa"), model.Gate("g_slc", 0.5), None, model.Gate("g_cmp")]
+    attention = compiled([W(12), U(G(1), S(2)), L(1, 1), R(1, 3)], gates=gates)
+    assert [launch.fused for launch in static_launches(attention.plan)] == [True, False]
+    q, k, v = qkv(rng, 1, 36, 2, 1, 16)
+    check(rng, attention, q, k, v, gates={"g_swa": gate(rng, 1, 36, 2), "g_cmp": gate(rng, 1, 36, 2)})
+    # g_slc alone: the fused launch runs two of its three branches, the table branch is skipped
+    check(rng, attention, q, k, v, gates={"g_slc": gate(rng, 1, 36, 2)}, cu_seqlens=np.array([0, 13, 31], np.int32))
+
+
+def test_fused_ranges_that_miss_the_query_float16(rng):
+    gates = [model.Gate("g_swa"), None]
+    # the window's reach past every sequence is clamped (kernels compute positions in int32)
+    attention = compiled([W(0, 5), U(L(1, 1), W(2, 2**31 - 1))], causal=False, gates=gates, tiles=(32, 16))
+    check(rng, attention, *qkv(rng, 1, 50, 2, 2, 16, dtype=np.float16), gates={"g_swa": gate(rng, 1, 50, 2)})
+
+
+# ---- table branches ----------------------------------------------------------------------------
 
 
 def test_bidirectional_nested_set_algebra_on_packed_sequences_float16(rng):
-    keys = model.Difference(model.Union((L(2, 1), G(1), R(1, 3))), model.Intersection((S(2, 1), W(10, 10))))
+    keys = model.Difference(U(L(2, 1), G(1), R(1, 3)), model.Intersection((S(2, 1), W(10, 10))))
     attention = compiled([keys], causal=False)
-    check(rng, attention, *qkv(rng, 1, 75, 3, 1, 20, dtype=np.float16), cu_seqlens=np.array([0, 30, 70], np.int32))
+    check(rng, attention, *qkv(rng, 1, 48, 3, 1, 20, dtype=np.float16), cu_seqlens=np.array([0, 21, 44], np.int32))
 
 
-def test_difference_with_sixteen_query_heads_per_kv_head(rng):
-    attention = compiled([model.Difference(L(4), model.Union((W(5), BL((1,)))))])
-    check(rng, attention, *qkv(rng, 1, 50, 16, 1, 16))
-
-
-def test_gated_branches(rng):
-    attention = compiled(
-        [W(12), model.Intersection((W(40), S(2)))],
-        gates=[model.Gate("g_swa", None), model.Gate("g_slc", 0.5)],
-    )
-    q, k, v = qkv(rng, 1, 40, 2, 2, 32)
-    check(rng, attention, q, k, v, gates={"g_swa": gate(rng, 1, 40, 2)})  # g_slc weighs its default
-    check(rng, attention, q, k, v, gates={"g_slc": gate(rng, 1, 40, 2)})  # b0 is skipped
+def test_difference_with_sixteen_query_heads_per_kv_head_four_a_tile(rng):
+    attention = compiled([model.Difference(L(4), U(W(5), BL((1,))))], tiles=(64, 16))
+    check(rng, attention, *qkv(rng, 1, 35, 16, 1, 16))

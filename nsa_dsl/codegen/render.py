@@ -19,6 +19,7 @@ import jinja2
 
 from ..dsl import model
 from ..plan import plan as plan_module
+from ..plan.ranges import static_launches
 from ..resources import templates_dir
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
@@ -104,6 +105,7 @@ def environment() -> jinja2.Environment:
         lstrip_blocks=True,
     )
     env.filters["literal"] = plan_literal
+    env.globals["static_launches"] = static_launches  # how a plan's static branches run (triton)
     return env
 
 

@@ -1,0 +1,165 @@
+"""Native Sparse Attention on the Triton platform (compression attention, on-device top-k,
+selection, sliding window, gates), its kernels run in Triton's interpreter on the CPU, against
+the float64 reference written from the paper's equations (tests/nsa_reference.py): selections
+(by the reference's scores of the chosen blocks, so exact ties may differ), outputs, and the
+gradients of q, k, v, every gate, the softmax scale and learned pooling weights; both NSA
+examples, odd lengths, GQA groups 1/2/3/4/16, head dims 20/32/60/100, packed sequences,
+`per block(Q)` selection, forced blocks, float32 and float16. The interpreter runs one program
+at a time in Python: shapes are tiny."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_close, gate, normal, qkv
+from nsa_reference import NsaSpec, nsa_gradients, nsa_reference
+from test_xla_nsa import MEANPOOL, PAPER, chosen_scores
+
+import nsa_dsl
+
+# (forward, gradients, selection scores' rtol): float16 kernels round q.k inputs, pooled keys,
+# p and ds to float16, so near-tied blocks may swap and their scores differ by that much.
+TOLERANCE = {np.float32: (2e-5, 1e-4, 1e-4), np.float16: (5e-3, 5e-3, 2e-2)}
+
+# The examples scaled down so that short sequences hold many blocks.
+SMALL_PAPER = NsaSpec(compress_block=8, compress_stride=4, select_count=5, select_block=16, window=24,
+                      forced=PAPER.forced)
+SMALL_MEANPOOL = NsaSpec(compress_block=16, compress_stride=16, select_count=4, select_block=16, forced=MEANPOOL.forced)
+
+
+def small_example(name: str) -> tuple[str, NsaSpec]:
+    with open(f"examples/{name}.nsa") as source:
+        text = source.read().replace("block 64", "block 16")
+    if name == "nsa":
+        text = text.replace("compress(block=32, stride=16)", "compress(block=8, stride=4)")
+        return text.replace("topk(16, block=64", "topk(5, block=16").replace("window(512)", "window(24)"), SMALL_PAPER
+    text = text.replace("compress(block=64, stride=64)", "compress(block=16, stride=16)")
+    return text.replace("topk(16, block=64", "topk(4, block=16"), SMALL_MEANPOOL
+
+
+def weighted_pool(weights):
+    """A learned pooling function: the weighted sum of a compressed block's tokens."""
+    return lambda kb, vb: (jnp.einsum("cjhd,j->chd", kb, weights), jnp.einsum("cjhd,j->chd", vb, weights))
+
+
+def check_against_reference(rng, source, spec, *, batch, seq_len, heads_q, heads_kv, head_dim, dtype=np.float32,
+                            cu_seqlens=None, gates=("cmp", "slc", "swa"), softmax_scale=None):
+    """Selections, output and gradients (of q, k, v, the gates, the softmax scale and, with
+    spec.pool_weights, the learned pooling's weights) of the pattern `source` on the triton
+    platform against spec's float64 reference."""
+    forward_tolerance, gradient_tolerance, score_rtol = TOLERANCE[dtype]
+    scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
+    attn = nsa_dsl.compile(source)
+    q, k, v = qkv(rng, batch, seq_len, heads_q, heads_kv, head_dim, dtype=dtype)
+    g = {name: gate(rng, batch, seq_len, heads_q).astype(dtype)
+         for name in gates if name != "swa" or spec.window is not None}
+    names = sorted(g)
+    cu = None if cu_seqlens is None else np.asarray(cu_seqlens, dtype=np.int32)
+    learned = spec.pool_weights is not None
+    weights = jnp.asarray(spec.weights(), jnp.float32)
+
+    def options(weights):  # calls with learned pooling are not jitted by nsa_dsl: the test jits them
+        pool_fns = {"cmp": weighted_pool(weights)} if learned else None
+        return {"cu_seqlens": cu, "platform": "triton", "pool_fns": pool_fns}
+
+    def attention(q, k, v, gate_values, weights, scale):
+        gate_args = {f"g_{name}": value for name, value in zip(names, gate_values)}
+        return attn(q, k, v, softmax_scale=scale, **options(weights), **gate_args)
+
+    # Selection: the kernel's blocks must score like the reference's best (ties may swap ids).
+    selections = jax.jit(lambda q, k, v, w: attn.selections(q, k, v, softmax_scale=scale, **options(w)))
+    (kernel_chosen,) = selections(q, k, v, weights).values()
+    kernel_chosen = np.asarray(kernel_chosen)
+    _, _, ref_chosen, scores = nsa_reference(q, k, v, spec, gates=g, scale=scale, cu_seqlens=cu)
+    assert ((kernel_chosen >= 0).sum(-1) == (ref_chosen >= 0).sum(-1)).all(), "number of selected blocks"
+    got, want = chosen_scores(scores, kernel_chosen), chosen_scores(scores, ref_chosen)
+    finite = np.isfinite(want)
+    assert (np.isfinite(got) == finite).all(), "a selected block the reference deems invalid"
+    np.testing.assert_allclose(got[finite], want[finite], rtol=score_rtol, atol=1e-6)
+
+    # Outputs and gradients for the kernel's (validated) selection.
+    out, pullback = jax.vjp(jax.jit(attention), q, k, v, [g[n] for n in names], weights, jnp.float32(scale))
+    assert out.shape == q.shape and out.dtype == q.dtype
+    expected, _, _, _ = nsa_reference(q, k, v, spec, gates=g, scale=scale, cu_seqlens=cu, selected=kernel_chosen)
+    assert_close(out, expected, forward_tolerance, "output")
+
+    d_out = normal(rng, *out.shape).astype(dtype)
+    dq, dk, dv, dgates, d_weights, d_scale = pullback(jnp.asarray(d_out))
+    wanted = nsa_gradients(q, k, v, spec, g, kernel_chosen, d_out, scale=scale, cu_seqlens=cu)
+    for name, actual in (("q", dq), ("k", dk), ("v", dv), *(("g_" + n, dg) for n, dg in zip(names, dgates))):
+        assert actual.dtype == q.dtype
+        assert_close(actual, wanted[name], gradient_tolerance, f"d{name}")
+
+    # The scale and learned weights against central differences of the reference, for the
+    # kernel's selection.
+    def loss(weights, scale):
+        weighted = replace(spec, pool_weights=tuple(weights)) if learned else spec
+        out = nsa_reference(q, k, v, weighted, gates=g, scale=scale, cu_seqlens=cu, selected=kernel_chosen)[0]
+        return np.sum(out * d_out)
+
+    step, w = 1e-4, spec.weights()
+    numeric = (loss(w, scale + step) - loss(w, scale - step)) / (2 * step)
+    assert_close(d_scale, numeric, gradient_tolerance, "d softmax_scale")
+    if learned:
+        numeric = [(loss(w + step * e, scale) - loss(w - step * e, scale)) / (2 * step) for e in np.eye(len(w))]
+        assert_close(d_weights, np.array(numeric), gradient_tolerance, "d pooling weights")
+
+
+@pytest.mark.parametrize(
+    "example, seq_len, heads_q, heads_kv, head_dim",
+    [
+        ("nsa", 37, 3, 1, 20),  # group 3, head dim 20: overlapping compression, three branches (one static)
+        ("nsa_meanpool", 33, 16, 1, 60),  # group 16, head dim 60
+    ],
+)
+def test_examples_match_the_paper(rng, example, seq_len, heads_q, heads_kv, head_dim):
+    source, spec = small_example(example)
+    gates = ("cmp", "slc", "swa") if example == "nsa" else ("cmp", "slc")
+    check_against_reference(rng, source, spec, batch=1, seq_len=seq_len, heads_q=heads_q, heads_kv=heads_kv,
+                            head_dim=head_dim, gates=gates)
+
+
+def test_packed_sequences_with_learned_pooling(rng):
+    source = (
+        "pattern p\nblock 16\n"
+        "branch cmp = compress(block=8, stride=4, pool=learned) gate g_cmp\n"
+        "branch slc = topk(3, block=16, score=cmp, force=local(1)) gate g_slc\n"
+    )
+    spec = NsaSpec(compress_block=8, compress_stride=4, select_count=3, select_block=16,
+                   forced=lambda qb, kb: kb == qb, pool_weights=tuple(rng.uniform(0.0, 0.3, 8)))
+    # Group 1, two KV heads; a sequence too short to compress; rows 38.. in no sequence.
+    check_against_reference(rng, source, spec, batch=1, seq_len=40, heads_q=2, heads_kv=2, head_dim=16,
+                            cu_seqlens=[0, 6, 25, 38], gates=("cmp", "slc"), softmax_scale=0.4)
+
+
+def test_selection_per_block_of_queries_in_float16(rng):
+    source = (
+        "pattern p\nblock 16\n"
+        "branch cmp = compress(block=16, stride=8) gate g_cmp\n"
+        "branch slc = topk(3, block=16, score=cmp, force=global(first=1)) per block(8) gate g_slc\n"
+    )
+    spec = NsaSpec(compress_block=16, compress_stride=8, select_count=3, select_block=16, query_block=8,
+                   forced=lambda qb, kb: kb < 1)
+    # Group 2, head dim 100, two batch rows of odd length.
+    check_against_reference(rng, source, spec, batch=2, seq_len=29, heads_q=2, heads_kv=1, head_dim=100,
+                            dtype=np.float16, gates=("cmp", "slc"))
+
+
+def test_native_sparse_attention_with_g_cmp(rng):
+    batch, seq_len, heads_q, heads_kv, head_dim, block = 1, 35, 4, 1, 32, 16
+    q, k, v = qkv(rng, batch, seq_len, heads_q, heads_kv, head_dim)
+    g_cmp, g_slc = gate(rng, batch, seq_len, heads_q), gate(rng, batch, seq_len, heads_q)
+    cfg = nsa_dsl.NativeSparseAttentionConfig(block_size=block)
+    out = nsa_dsl.native_sparse_attention(q, k, v, g_cmp, g_slc, None, 2, None, platform="triton", cfg=cfg)
+    plan = nsa_dsl.api.compressed_selection_plan(block, 2)
+    chosen = np.asarray(nsa_dsl.runtime.selections(plan, q, k, v, platform="triton")["slc"])
+    spec = NsaSpec(compress_block=block, compress_stride=block, select_count=2, select_block=block,
+                   forced=lambda qb, kb: kb == qb)
+    _, _, ref_chosen, scores = nsa_reference(q, k, v, spec, gates={"cmp": g_cmp, "slc": g_slc})
+    np.testing.assert_allclose(chosen_scores(scores, chosen), chosen_scores(scores, ref_chosen), rtol=1e-4, atol=1e-6)
+    expected, _, _, _ = nsa_reference(q, k, v, spec, gates={"cmp": g_cmp, "slc": g_slc}, selected=chosen)
+    assert_close(out, expected, TOLERANCE[np.float32][0], "output")
