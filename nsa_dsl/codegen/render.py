@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import keyword
 import math
 import re
@@ -21,6 +22,9 @@ from ..dsl import model
 from ..plan import plan as plan_module
 from ..plan.ranges import static_launches
 from ..resources import templates_dir
+
+# Python the templates call to decide what goes in: how a plan's static branches run (triton).
+_TEMPLATE_GLOBALS = {"static_launches": static_launches}
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
@@ -105,7 +109,7 @@ def environment() -> jinja2.Environment:
         lstrip_blocks=True,
     )
     env.filters["literal"] = plan_literal
-    env.globals["static_launches"] = static_launches  # how a plan's static branches run (triton)
+    env.globals.update(_TEMPLATE_GLOBALS)
     return env
 
 
@@ -117,6 +121,8 @@ def render(template: str, **context: object) -> str:
 def template_texts(backend: str) -> str:
     """Template text a backend's modules are rendered from, for cache keys: editing a template
     invalidates entries. Backends import each other's macros (triton renders token masks with
-    xla/mask.j2), so every backend's key covers every template; `backend` names the entry."""
+    xla/mask.j2), so every backend's key covers every template; `backend` names the entry. The
+    source of the Python the templates call to decide what goes in (the Jinja globals) counts too."""
     root = templates_dir()
-    return backend + "".join(f"\n{p.relative_to(root)}\n{p.read_text()}" for p in sorted(root.rglob("*.j2")))
+    deciders = "".join(f"\n{inspect.getsource(inspect.getmodule(fn))}" for fn in _TEMPLATE_GLOBALS.values())
+    return backend + "".join(f"\n{p.relative_to(root)}\n{p.read_text()}" for p in sorted(root.rglob("*.j2"))) + deciders
