@@ -140,7 +140,9 @@ def transposed_table(static: StaticKeys, block_size: int, causal: bool, seq_len:
     query_block = np.broadcast_to(np.arange(indices.shape[0], dtype=np.int32)[:, None], indices.shape)[used]
     key_block, entry_full, entry_bits = indices[used], full[used], atom_bits[used]
     order = np.argsort(key_block, kind="stable")  # within a key block, query blocks stay ascending
-    key_block, query_block, entry_full, entry_bits = (x[order] for x in (key_block, query_block, entry_full, entry_bits))
+    key_block, query_block, entry_full, entry_bits = (
+        x[order] for x in (key_block, query_block, entry_full, entry_bits)
+    )
     num_key_blocks = -(-seq_len // block_size)
     per_key = np.bincount(key_block, minlength=num_key_blocks).astype(np.int32)
     width = max(int(per_key.max(initial=0)), 1)
@@ -157,3 +159,30 @@ def transposed_table(static: StaticKeys, block_size: int, causal: bool, seq_len:
     for array in table:
         array.setflags(write=False)
     return table
+
+
+class Compressed(NamedTuple):
+    """A compress branch's pooled keys and values [C, HKV, D] (C = N // stride + number of
+    sequences, a static bound; rows past cmp_offsets[-1] are never visible) and where each
+    sequence's live: its compressed key i is row cmp_offsets[n] + i, below cmp_offsets[n + 1]."""
+
+    k: jax.Array
+    v: jax.Array
+    cmp_offsets: jax.Array  # [num_seqs + 1] int32
+
+
+def pool_compressed(k, v, offsets: jax.Array, block: int, stride: int, pool_fn=None, dtype=jnp.float32) -> Compressed:
+    """compress(block, stride) of k/v [N, HKV, D]: key i of a sequence pools its tokens
+    [i * stride, i * stride + block) (those of complete blocks only) as pool_fn(k_blocks, v_blocks)
+    of the [C, block, HKV, D] float32 tokens (their mean when pool_fn is None), cast to `dtype`.
+    A gather, so that gradients reach k, v and the pooling's parameters by autodiff."""
+    num_seqs = offsets.shape[0] - 1
+    lengths = jnp.maximum(offsets[1:] - offsets[:-1], 0)
+    counts = jnp.where(lengths >= block, (lengths - block) // stride + 1, 0)
+    cmp_offsets = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(counts).astype(jnp.int32)])
+    row = jnp.arange(k.shape[0] // stride + num_seqs, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(cmp_offsets[1:], row, side="right"), 0, num_seqs - 1)
+    tokens = (offsets[seq] + (row - cmp_offsets[seq]) * stride)[:, None] + jnp.arange(block)
+    k_blocks, v_blocks = (jnp.take(x, tokens, axis=0, mode="clip").astype(jnp.float32) for x in (k, v))
+    k_cmp, v_cmp = (k_blocks.mean(axis=1), v_blocks.mean(axis=1)) if pool_fn is None else pool_fn(k_blocks, v_blocks)
+    return Compressed(k_cmp.astype(dtype), v_cmp.astype(dtype), cmp_offsets)
