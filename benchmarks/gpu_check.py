@@ -1,9 +1,9 @@
-"""GPU check of the Triton backend: correctness against float64 references, then timings.
+"""GPU check of the Triton and Pallas backends: correctness against float64 references.
 
 Run on a machine with a GPU build of jax, triton and jax-triton, from the repository root:
 
-    PYTHONPATH=. python benchmarks/gpu_check.py [--out DIR] [--lengths 8192,32768,65536] [--dtypes ...]
-        [--only CASE,...] [--skip-correctness] [--skip-timing] [--tune T] [--platforms triton,pallas]
+    PYTHONPATH=. python benchmarks/gpu_check.py [--out DIR] [--dtypes ...] [--only CASE,...]
+        [--skip-correctness] [--tune T] [--platforms triton,pallas]
 
 1. Correctness: explicit per-token selection through `nsa_dsl.native_sparse_attention(...,
    platform="triton")` (jax-triton kernels) in bfloat16, float16 and float32 on small random
@@ -16,15 +16,12 @@ Run on a machine with a GPU build of jax, triton and jax-triton, from the reposi
    sequences) against tests/nsa_reference.py: the selected blocks' reference scores ("sel": the
    largest gap to the reference's best), outputs and gradients. Reported as max |error| /
    max |reference| per output.
-2. Timing at the issue's setting: B=1, HQ=64, HKV=4, D=128, 16 selected blocks of 64, bfloat16,
-   random per-token selections (sorted, distinct, causal block ids), T = 8k/32k/64k: forward and
-   forward+backward, median milliseconds of jitted calls (block_until_ready), next to the figures
-   the issue measured for flash-linear-attention's parallel_nsa on the same H200; then a
-   512-token sliding window (a static branch) next to the issue's cuDNN figures.
-3. With --tune T: where the time of a selection call goes, and each kernel's tile size and
+2. With --tune T: where the time of a selection call goes, and each kernel's tile size and
    launch settings, at length T.
-4. With --platforms triton,pallas: the correctness table and the timings for each platform in
-   turn (pallas: Pallas kernels lowered through Pallas' Triton backend).
+3. With --platforms triton,pallas: the correctness table for each platform in turn (pallas:
+   Pallas kernels lowered through Pallas' Triton backend).
+
+Speed against the peers is benchmarks/bench_gpu.py's job (side by side in one run).
 
 Every case runs in its own try/except: a failure is printed and recorded, and the run goes on.
 Results go to stdout as tables and to DIR/gpu_check.json (DIR: --out, else $OUT, else .).
@@ -56,11 +53,6 @@ import numpy as np  # noqa: E402
 import nsa_dsl  # noqa: E402
 from tests import reference  # noqa: E402
 
-# flash-linear-attention's parallel_nsa on the same H200, from issue 4 (median ms).
-FLA_MS = {
-    "fwd": {8192: 2.51, 32768: 10.42, 65536: 21.23},
-    "fwdbwd": {8192: 9.63, 32768: 35.5, 65536: 70.1},
-}
 # max |error| / max |reference| allowed per dtype (float32 runs in full-precision tl.dot).
 TOLERANCE = {"float32": 2e-4, "float16": 2e-2, "bfloat16": 4e-2}
 
@@ -348,95 +340,6 @@ def median_ms(fn, *args, repeats: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
-def run_timing(lengths, HQ=64, HKV=4, D=128, S=16, block=64, dtype="bfloat16", platform="triton") -> list[dict]:
-    log(f"\n== timing: {platform} selection, B=1 HQ={HQ} HKV={HKV} D={D} S={S} block={block} {dtype} ==")
-    log(f"{'T':>7} {'mode':<7} {'ours ms':>9} {'FLA ms':>8} {'FLA/ours':>9}")
-    cfg = nsa_dsl.NativeSparseAttentionConfig(block_size=block)
-    rows = []
-    for T in lengths:
-        try:
-            key = jax.random.PRNGKey(T)
-            kq, kk, kv, ks, kd = jax.random.split(key, 5)
-            q = jax.random.normal(kq, (1, T, HQ, D), dtype)
-            k = jax.random.normal(kk, (1, T, HKV, D), dtype)
-            v = jax.random.normal(kv, (1, T, HKV, D), dtype)
-            d_out = jax.random.normal(kd, (1, T, HQ, D), dtype)
-            indices = random_selection(ks, T, HKV, S, block)
-        except Exception as err:  # noqa: BLE001
-            log(f"{T:>7} inputs ERROR {type(err).__name__}: {err}")
-            rows.append({"T": T, "error": f"{type(err).__name__}: {err}"})
-            continue
-
-        def forward(q, k, v, indices):
-            return nsa_dsl.native_sparse_attention(q, k, v, None, None, indices, S, platform=platform, cfg=cfg)
-
-        def forward_backward(q, k, v, indices, d_out):
-            out, vjp = jax.vjp(lambda q, k, v: forward(q, k, v, indices), q, k, v)
-            return out, vjp(d_out)
-
-        modes = {
-            "fwd": (jax.jit(forward), (q, k, v, indices)),
-            "fwdbwd": (jax.jit(forward_backward), (q, k, v, indices, d_out)),
-        }
-        for mode, (fn, args) in modes.items():
-            row = {"T": T, "mode": mode, "HQ": HQ, "HKV": HKV, "D": D, "S": S, "block": block, "dtype": dtype, "platform": platform}
-            try:
-                repeats = 20 if T <= 32768 else 10
-                row["ms"] = median_ms(fn, *args, repeats=repeats)
-                fla = FLA_MS[mode].get(T)
-                row["fla_ms"] = fla
-                ratio = f"{fla / row['ms']:9.2f}" if fla else f"{'-':>9}"
-                log(f"{T:>7} {mode:<7} {row['ms']:9.2f} {fla if fla else '-':>8} {ratio}")
-            except Exception as err:  # noqa: BLE001
-                row["error"] = f"{type(err).__name__}: {err}"
-                log(f"{T:>7} {mode:<7} ERROR {row['error'][:300]}")
-                traceback.print_exc()
-            rows.append(row)
-    return rows
-
-
-# cuDNN dense attention with a 512-token window, and FlexAttention, on the same H200 (issue 4).
-WINDOW_MS = {"cudnn": {8192: 0.39, 32768: 1.45, 65536: 3.15}, "flex": {8192: 0.53, 32768: 2.59, 65536: 5.24}}
-
-
-def run_window_timing(lengths, HQ=64, HKV=4, D=128, window=512, dtype="bfloat16", platform="triton") -> list[dict]:
-    log(f"\n== timing: {platform} sliding window {window} (static branch), B=1 HQ={HQ} HKV={HKV} D={D} {dtype} ==")
-    log(f"{'T':>7} {'mode':<7} {'ours ms':>9} {'cuDNN ms':>9} {'cuDNN/ours':>11}")
-    attention = nsa_dsl.compile(f"pattern swa\nblock 64\ncausal\nbranch main = window({window})\n")
-    rows = []
-    for T in lengths:
-        key = jax.random.PRNGKey(T)
-        kq, kk, kv, kd = jax.random.split(key, 4)
-        q = jax.random.normal(kq, (1, T, HQ, D), dtype)
-        k = jax.random.normal(kk, (1, T, HKV, D), dtype)
-        v = jax.random.normal(kv, (1, T, HKV, D), dtype)
-        d_out = jax.random.normal(kd, (1, T, HQ, D), dtype)
-
-        def forward(q, k, v):
-            return attention(q, k, v, platform=platform)
-
-        def forward_backward(q, k, v, d_out):
-            out, vjp = jax.vjp(forward, q, k, v)
-            return out, vjp(d_out)
-
-        for mode, fn, args in (("fwd", forward, (q, k, v)), ("fwdbwd", forward_backward, (q, k, v, d_out))):
-            row = {"T": T, "mode": mode, "window": window, "platform": platform}
-            try:
-                row["ms"] = median_ms(jax.jit(fn), *args, repeats=20 if T <= 32768 else 10)
-                cudnn = WINDOW_MS["cudnn"].get(T) if mode == "fwd" else None
-                ratio = f"{cudnn / row['ms']:11.2f}" if cudnn else f"{'-':>11}"
-                log(f"{T:>7} {mode:<7} {row['ms']:9.2f} {cudnn if cudnn else '-':>9} {ratio}")
-            except Exception as err:  # noqa: BLE001
-                row["error"] = f"{type(err).__name__}: {err}"
-                log(f"{T:>7} {mode:<7} ERROR {row['error'][:300]}")
-                traceback.print_exc()
-            rows.append(row)
-    return rows
-
-
-# ---- tuning -----------------------------------------------------------------------------------
-
-
 def run_tuning(T, HQ=64, HKV=4, D=128, S=16, block=64, dtype="bfloat16") -> dict:
     """Launch settings of each selection kernel, and where the time of a call goes, at one length."""
     from nsa_dsl import api, codegen
@@ -516,13 +419,11 @@ def run_tuning(T, HQ=64, HKV=4, D=128, S=16, block=64, dtype="bfloat16") -> dict
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for gpu_check.json")
-    parser.add_argument("--lengths", default="8192,32768,65536", help="comma-separated T for the timings")
     parser.add_argument("--dtypes", default="bfloat16,float16,float32", help="dtypes of the correctness table")
     parser.add_argument("--only", help="comma-separated names of the correctness cases to run (default: all)")
     parser.add_argument("--skip-correctness", action="store_true")
-    parser.add_argument("--skip-timing", action="store_true")
     parser.add_argument("--tune", type=int, default=0, metavar="T", help="also time launch settings at length T")
-    parser.add_argument("--platforms", default="triton", help="comma-separated platforms to check and time: triton, pallas")
+    parser.add_argument("--platforms", default="triton", help="comma-separated platforms to check: triton, pallas")
     args = parser.parse_args()
     platforms = args.platforms.split(",")
 
@@ -534,10 +435,6 @@ def main() -> None:
     if not args.skip_correctness:
         only = args.only.split(",") if args.only else None
         result["correctness"] = [row for p in platforms for row in run_correctness(args.dtypes.split(","), only, p)]
-    if not args.skip_timing:
-        lengths = [int(t) for t in args.lengths.split(",")]
-        result["timing"] = [row for p in platforms for row in run_timing(lengths, platform=p)]
-        result["window_timing"] = [row for p in platforms for row in run_window_timing(lengths, platform=p)]
     if args.tune:
         result["tuning"] = run_tuning(args.tune)
     os.makedirs(args.out, exist_ok=True)
