@@ -265,7 +265,10 @@ class ShardedAttention:
             shard_entry = attend_shard if entry == "attention" else selections_shard
             return shard_entry(self.plan, query, key, value, **options)
 
-        mapped = jax.shard_map(per_device, mesh=mesh, in_specs=(in_specs,), out_specs=out_specs)
+        # Pallas' interpreter cannot run a kernel on values typed with manual axes (jax 0.10: "Scan
+        # carry input and output got mismatched varying manual axes"): its kernels run unchecked.
+        mapped = jax.shard_map(per_device, mesh=mesh, in_specs=(in_specs,), out_specs=out_specs,
+                               check_vma=platform != "pallas")
         explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit}
         if not explicit:
             return mapped  # shard_map moves inputs of Auto axes where in_specs say

@@ -115,7 +115,8 @@ def test_gpu_tile_layouts_with_sixteen_heads_per_kv_head_bfloat16(rng, monkeypat
     attention = compiled([model.Difference(L(4), model.Union((W(5), BL((1,)))))], block=16)
     module = codegen.load_module("pallas", attention.plan)
     monkeypatch.setattr(module, "POWER_OF_TWO_TILES", True)
-    assert module.tile_extents(16, 24) == module.QueryTiles(16, 32, 16, 16, 8, 2)
+    assert module.tile_extents(16, 24, 2) == module.QueryTiles(16, 32, 16, 16, 8, 2)
+    assert module.tile_extents(16, 24, 4) == module.QueryTiles(16, 32, 16, 16, 4, 4)  # float32: half the rows
     cu_seqlens = np.array([0, 21, 50], np.int32)
     tables = dispatch.branch_tables(attention.plan, 50)
 

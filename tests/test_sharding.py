@@ -237,15 +237,30 @@ def test_sharding_errors(rng):
 
 
 @in_worker
-def test_data_and_head_parallel_on_the_triton_interpreter(rng):
-    """Data and head parallelism need no query offset: every platform runs them."""
+@pytest.mark.parametrize("platform", ["triton", "pallas"])
+def test_data_and_head_parallel_on_the_interpreted_kernels(rng, platform):
+    """Data and head parallelism need no query offset: every platform runs them. Gradients too:
+    the kernels' custom_vjp results carry the shards' manual axes, and the softmax scale (an
+    array, replicated) gets the sum of every device's part."""
     seq_len, heads_q, heads_kv, head_dim = 32, 4, 2, 16
     q, k, v = qkv(rng, 2, seq_len, heads_q, heads_kv, head_dim)
     indices = random_indices(rng, 2, seq_len, heads_kv, 2, BLOCK)
-    options = {"block_indices": indices, "block_counts": 2, "g_slc": gate(rng, 2, seq_len, heads_q)}
-    expected = one_device(SELECTION)(q, k, v, **options)
+    g_slc, d_out = gate(rng, 2, seq_len, heads_q), normal(rng, *q.shape)
+    scale = jnp.float32(0.3)
     layer = ShardedAttention(SELECTION, mesh=mesh(dp=2, tp=2), batch_axis="dp", head_axis="tp")
-    assert_close(layer(q, k, v, platform="triton", **options), expected, SHARDED_TOLERANCE, "triton")
+
+    def loss(attention, **options):
+        def inner(q, k, v, g_slc, scale):
+            out = attention(q, k, v, block_indices=indices, block_counts=2, g_slc=g_slc, softmax_scale=scale, **options)
+            return jnp.sum(out * d_out), out
+
+        return jax.grad(inner, argnums=range(5), has_aux=True)(q, k, v, g_slc, scale)
+
+    grads, out = loss(layer, platform=platform)
+    expected_grads, expected = loss(one_device(SELECTION))
+    assert_close(out, expected, SHARDED_TOLERANCE, platform)
+    for name, actual, want in zip(("q", "k", "v", "g_slc", "softmax_scale"), grads, expected_grads):
+        assert_close(actual, want, GRADIENT_TOLERANCE, f"{platform} d{name}")
 
 
 @in_worker

@@ -24,6 +24,52 @@ from jax import lax
 from ..plan.plan import StaticKeys
 
 
+def varying_axes(x) -> frozenset:
+    """The mesh axes a value varies over inside `jax.shard_map` (empty outside)."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.10; before it, aval.vma
+    return manual.varying if manual is not None else getattr(aval, "vma", frozenset())
+
+
+def _inputs_axes(inputs) -> frozenset:
+    return frozenset().union(*(varying_axes(x) for x in inputs if isinstance(x, jax.Array)))
+
+
+# Inside `jax.shard_map` a custom_vjp's gradients must carry the manual axes of its arguments,
+# and the results of a Triton or Pallas call (like a pure_callback's) carry none of their own:
+# the two helpers below give a kernel's outputs the axes its inputs vary over. Outside
+# shard_map there are none and nothing changes.
+
+
+def varying_like(outputs, inputs) -> list:
+    """`outputs` of a kernel call, each marked as varying over the mesh axes of `inputs`."""
+    axes = _inputs_axes(inputs)
+    return [lax.pcast(out, tuple(sorted(axes - varying_axes(out))), to="varying") for out in outputs]
+
+
+def varying_shape(shape: jax.ShapeDtypeStruct, inputs) -> jax.ShapeDtypeStruct:
+    """An output shape declared as varying over the mesh axes of `inputs` (pallas_call's
+    out_shape: inside shard_map it must say)."""
+    axes = _inputs_axes(inputs)
+    if not axes:
+        return shape
+    example = next(x for x in inputs if isinstance(x, jax.Array) and varying_axes(x))
+    manual = getattr(jax.typeof(example), "manual_axis_type", None)
+    typed = {"manual_axis_type": manual.update(varying=axes)} if manual is not None else {"vma": axes}
+    return jax.ShapeDtypeStruct(shape.shape, shape.dtype, **typed)
+
+
+def scale_cotangent(q, d_q, scale):
+    """d loss / d softmax_scale. Scores are scale * q.k, so it is sum(q . d_q) / scale where d_q
+    (which carries the factor scale) is the query cotangent; a zero scale gets zero. Inside
+    `jax.shard_map` each device holds its queries' part of the sum: the parts are added over
+    the mesh axes the queries vary over and the scale does not."""
+    total = jnp.sum(q.astype(jnp.float32) * d_q.astype(jnp.float32))
+    d_scale = jnp.where(scale != 0, total / jnp.where(scale != 0, scale, 1.0), 0.0)
+    shared = tuple(sorted(varying_axes(d_scale) - varying_axes(scale)))
+    return lax.psum(d_scale, shared) if shared else d_scale
+
+
 class Rows(NamedTuple):
     """Per packed row: its sequence's first row and end row, and its position in the sequence
     (-1 for rows past cu_seqlens[-1], which belong to no sequence)."""

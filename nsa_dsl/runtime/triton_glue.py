@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .layout import varying_like
+
 
 @functools.lru_cache(maxsize=None)
 def on_gpu() -> bool:
@@ -125,10 +127,10 @@ def launch(
             zeroed_outputs=tuple(zeroed),
             **constants,
         )
-        return list(result)
+        return varying_like(result, inputs)
     arrays = [x for x in inputs if not _is_scalar(x)]
     callback = functools.partial(_interpret, kernel, grid, tuple(inputs), tuple(outputs), tuple(zeroed), constants)
-    return list(jax.pure_callback(callback, outputs, *arrays, vmap_method="sequential"))
+    return varying_like(jax.pure_callback(callback, outputs, *arrays, vmap_method="sequential"), arrays)
 
 
 def _is_scalar(x) -> bool:
