@@ -16,6 +16,11 @@ into place with os.replace), so concurrent writers leave one valid entry and rea
 a partial one; an entry carries the sha256 of its own content, and one that is damaged or does
 not parse is ignored (and written anew by the next tuning).
 
+Tuning a shape takes at most `NSA_DSL_AUTOTUNE_SECONDS` (default 120): candidates are timed in
+the kernel's order, its heuristic configuration first, and those not reached when the time is up
+are left out (the entry counts them). Compiling dominates on a GPU (Triton compiles each
+candidate's forward and backward kernels), so a full sweep can take several minutes.
+
 `NSA_DSL_AUTOTUNE` sets when tuning happens for calls that do not pass a configuration:
 "0" never (the heuristic configuration, tuned entries are not read), "1" on the first call of
 every new shape, unset: tuned entries are used where they exist and a new shape is tuned on
@@ -51,6 +56,7 @@ if TYPE_CHECKING:
 
 # Timed calls per measurement, after one untimed call that compiles and warms up; the median counts.
 REPEATS = 5
+DEFAULT_SECONDS = 120.0
 _LIBRARIES = ("jax", "jaxlib", "triton")
 
 
@@ -70,6 +76,20 @@ def policy() -> str:
     raise ValueError(f"NSA_DSL_AUTOTUNE must be 0 (never tune), 1 (tune every new shape) or unset, got {value!r}")
 
 
+def time_limit() -> float:
+    """Seconds of tuning per shape, from NSA_DSL_AUTOTUNE_SECONDS (default DEFAULT_SECONDS)."""
+    value = os.environ.get("NSA_DSL_AUTOTUNE_SECONDS", "").strip()
+    if not value:
+        return DEFAULT_SECONDS
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:
+        raise ValueError(f"NSA_DSL_AUTOTUNE_SECONDS must be a number of seconds >= 0, got {value!r}")
+    return seconds
+
+
 class ProgressBar:
     """A one-line progress bar on stderr: redrawn in place on a terminal, a line per step otherwise."""
 
@@ -86,8 +106,10 @@ class ProgressBar:
         self.done += 1
         self._draw(note)
 
-    def close(self) -> None:
-        if self.in_place:
+    def close(self, note: str = "") -> None:
+        if note:
+            self.stream.write(("\n" if self.in_place else "") + f"{self.label}: {note}")
+        if self.in_place or note:
             self.stream.write("\n")
             self.stream.flush()
 
@@ -291,8 +313,12 @@ def _tune(kernel: Kernel, inv: Invocation, candidates, repeats: int, progress: b
 
     measured: list[Measurement] = []
     rejected: list[dict] = []
+    limit, start, untimed = time_limit(), time.perf_counter(), 0
     bar = ProgressBar(len(candidates), f"nsa_dsl autotune {kernel.op_id}") if progress else None
-    for cfg in candidates:
+    for index, cfg in enumerate(candidates):
+        if measured and time.perf_counter() - start > limit:
+            untimed = len(candidates) - index
+            break
         try:
             measured.append(_measure(kernel, cfg, arguments, check, seed + 1, repeats))
         except Exception as err:  # noqa: BLE001 -- any failure rejects the candidate: fail closed
@@ -303,7 +329,7 @@ def _tune(kernel: Kernel, inv: Invocation, candidates, repeats: int, progress: b
             best = min(measured, key=_rank, default=None)
             bar.advance(f"best {best.forward_backward_s * 1e3:.3f} ms ({describe(best.cfg)})" if best else "")
     if bar is not None:
-        bar.close()
+        bar.close(f"{untimed} not timed: NSA_DSL_AUTOTUNE_SECONDS={limit:g} spent" if untimed else "")
     if not measured:
         warnings.warn(
             f"autotune {kernel.op_id}: every candidate was rejected; using {describe(reference)}, not persisted",
@@ -322,6 +348,7 @@ def _tune(kernel: Kernel, inv: Invocation, candidates, repeats: int, progress: b
         "forward_backward_ms": best.forward_backward_s * 1e3,
         "measured": [m.record() for m in measured],
         "rejected": rejected,
+        "untimed": untimed,
         "versions": versions(),
     })
     with _known_lock:

@@ -390,6 +390,25 @@ def test_progress_bar():
     assert len(frames[-1].rstrip("\n")) == len(frames[-2])  # the longer line before is overwritten
 
 
+def test_the_time_limit_leaves_out_the_candidates_it_does_not_reach(tuned, monkeypatch, capsys, rng):
+    """With no time left after the first candidate, the rest are not timed; the entry says how
+    many. The first is the one kept even though another might be faster."""
+    monkeypatch.setenv("NSA_DSL_AUTOTUNE_SECONDS", "0")
+    inv = tuned.nsa.invocation(*call_arguments(rng, seq_len=23))
+    first, second = tuned.candidates
+    assert tuned.nsa.autotune(inv, candidates=[second, first], repeats=1) == second
+    entry = json.loads(autotune.entry_path(tuned.nsa, inv).read_text())["entry"]
+    assert [m["cfg"] for m in entry["measured"]] == [dataclasses.asdict(second)] and entry["untimed"] == 1
+    assert "1 not timed: NSA_DSL_AUTOTUNE_SECONDS=0 spent" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["-1", "soon", "nan"])
+def test_a_wrong_time_limit_is_a_value_error(monkeypatch, value):
+    monkeypatch.setenv("NSA_DSL_AUTOTUNE_SECONDS", value)
+    with pytest.raises(ValueError, match="NSA_DSL_AUTOTUNE_SECONDS must be a number of seconds >= 0"):
+        autotune.time_limit()
+
+
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 def test_tuning_on_a_gpu_at_a_real_size(tmp_path, monkeypatch, rng):
     """B=1, T=8192, HQ=64, HKV=4, D=128, 16 blocks of 64 per token, bf16: Triton candidates; the
