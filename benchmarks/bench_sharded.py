@@ -3,6 +3,7 @@
     NCCL_NVLS_ENABLE=0 PYTHONPATH=. python benchmarks/bench_sharded.py --out benchmarks/results/sharded.json
         [--kinds data,head,context] [--devices 1,2,4,8] [--batch 8] [--seq-len 8192] [--heads-q 64]
         [--heads-kv 8] [--head-dim 128] [--dtype bfloat16] [--platform auto] [--check-seq-len 1024]
+        [--check-dtype float32]
     XLA_FLAGS=--xla_force_host_platform_device_count=4 PYTHONPATH=. python benchmarks/bench_sharded.py \\
         --dry-run --out /tmp/sharded.json       # CPU, tiny shapes: proves the harness
 
@@ -20,6 +21,7 @@ being the unsharded call on the same platform. Times are benchmarks/timing.py's 
 
 First a check, in float32 at the highest matmul precision on a short sequence (--check-seq-len):
 every (kind, n > 1) output and gradient against the unsharded result, as max relative error.
+(--check-dtype bfloat16 checks in bf16: Triton compiles float32 NSA kernels slowly, 30-80 s each.)
 Every measurement is its own try/except; the JSON at --out is rewritten after every row.
 """
 
@@ -106,10 +108,10 @@ def relative_error(actual, expected) -> float:
 
 
 def check(attention, args, device_counts, kinds, report) -> None:
-    """Sharded against unsharded, float32, highest matmul precision, --check-seq-len tokens."""
+    """Sharded against unsharded, in --check-dtype at the highest matmul precision, --check-seq-len tokens."""
     with jax.default_matmul_precision("highest"):
         q, k, v, gates, d_out = inputs(jax.random.key(1), args.batch, args.check_seq_len, args.heads_q, args.heads_kv,
-                                       args.head_dim, jnp.float32)
+                                       args.head_dim, jnp.dtype(args.check_dtype))
         check_args = argparse.Namespace(**{**vars(args), "seq_len": args.check_seq_len})
         references = {}
         for kind in kinds:
@@ -225,6 +227,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--platform", default=None, help="xla, triton, pallas; default: automatic")
     parser.add_argument("--check-seq-len", type=int, default=1024, help="0: no check")
+    parser.add_argument("--check-dtype", default="float32", choices=["bfloat16", "float32"])
     parser.add_argument("--time-cap-s", type=float, default=2.0)
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes (CPU)")
     args = parser.parse_args()
