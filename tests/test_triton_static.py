@@ -23,6 +23,7 @@ from nsa_dsl.config import NativeSparseAttentionConfig
 from nsa_dsl.dsl import model
 from nsa_dsl.plan import lower, lower_keys
 from nsa_dsl.plan.ranges import EVERY_KEY, MAX_TOKENS, KeyRanges, key_ranges, static_launches
+from nsa_dsl.runtime import dispatch
 from nsa_dsl.runtime.platform import for_device
 
 W, L, S, G, BL, R = model.Window, model.Local, model.Stride, model.Global, model.Blocks, model.Random
@@ -128,6 +129,13 @@ def test_range_branches_share_a_launch_and_read_no_table():
     assert 'tables["swa"]' not in source and 'tables["sink"]' not in source
     forward = source[source.index("def branch_forward_swa("):source.index("def branch_dq_swa(")]
     assert "q_first - 511" in forward and "tl.load" not in forward  # the window's range, from its constants
+    # Dispatch builds only the tables the kernels read: at a million tokens the window's would
+    # hold 16384 x 9 entries, a causal pattern's 16384^2.
+    assert codegen.load_module("triton", plan, None).TABLES == ("drawn",)
+    assert set(dispatch.kernel_tables("triton", plan, None, 1 << 20)) == {"drawn"}
+    assert codegen.load_module("xla", plan, None).TABLES == ("swa", "sink", "drawn")
+    causal = lower(model.Pattern("causal", 64, True, (), (model.Branch("all", W(MAX_TOKENS)),)))
+    assert dispatch.kernel_tables("triton", causal, None, 1 << 20) == {}
 
 
 def test_tiles_shrink_to_fit_wide_heads_and_float32_in_shared_memory():

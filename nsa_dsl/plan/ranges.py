@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..dsl.model import Global, KeySet, Local, Stride, Union, Window
-from .plan import Plan, StaticBranch, StaticKeys
+from .plan import Plan, StaticBranch, StaticKeys, TopKBranch
 
 # Positions a range kernel handles: sequences are shorter, and sums of two clamped extents fit int32.
 MAX_TOKENS = 1 << 29
@@ -168,3 +168,14 @@ def static_launches(plan: Plan) -> tuple[StaticLaunch, ...]:
     launches = [StaticLaunch(ranged, tuple(forms[b.name] for b in ranged))] if ranged else []
     launches += [StaticLaunch((b,), None) for b in static if forms[b.name] is None]
     return tuple(launches)
+
+
+def tabled_branches(plan: Plan, ranges_in_kernel: bool) -> tuple[str, ...]:
+    """Names of the branches whose kernels read a host table: every static branch (its block
+    table) and top-k branch (its forced blocks), except, where the kernels compute key ranges
+    themselves (`ranges_in_kernel`), the static branches of range form."""
+    ranged = {b.name for launch in static_launches(plan) if launch.ranges is not None for b in launch.branches}
+    return tuple(
+        b.name for b in plan.branches
+        if isinstance(b, TopKBranch) or (isinstance(b, StaticBranch) and not (ranges_in_kernel and b.name in ranged))
+    )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 import jax
@@ -79,12 +79,14 @@ def block_table(static: p.StaticKeys, block_size: int, causal: bool, seq_len: in
     return table.indices, table.counts, table.full, table.atom_bits
 
 
-def branch_tables(plan: p.Plan, seq_len: int) -> dict[str, tuple[np.ndarray, ...]]:
-    """The host tables of a plan's branches: a static branch's block table (indices, counts,
-    full, atom_bits); a top-k branch's forced blocks as (indices, counts) over selection blocks
-    (no entries when nothing is forced)."""
+def branch_tables(plan: p.Plan, seq_len: int, names: Sequence[str] | None = None) -> dict[str, tuple[np.ndarray, ...]]:
+    """The host tables of a plan's branches (those in `names`, default all): a static branch's
+    block table (indices, counts, full, atom_bits); a top-k branch's forced blocks as (indices,
+    counts) over selection blocks (no entries when nothing is forced)."""
     tables = {}
     for branch in plan.branches:
+        if names is not None and branch.name not in names:
+            continue
         if isinstance(branch, p.StaticBranch):
             tables[branch.name] = block_table(branch.static, plan.block_size, plan.causal, seq_len)
         elif isinstance(branch, p.TopKBranch):
@@ -141,13 +143,12 @@ def selections(
     query, key, value, shapes = validate.attention_inputs(query, key, value, query_shard=query_offset is not None)
     cu = validate.cu_seqlens(cu_seqlens, shapes)
     shard = _query_shard(plan, query_offset, shapes, cu)
-    return entry(
-        choose_platform(plan, platform, config, query_shard=bool(shard)), plan, config, "selections", pool_fns
-    )(
+    platform = choose_platform(plan, platform, config, query_shard=bool(shard))
+    return entry(platform, plan, config, "selections", pool_fns)(
         query,
         key,
         value,
-        tables=branch_tables(plan, shapes.seq_len),
+        tables=kernel_tables(platform, plan, config, shapes.seq_len),
         cu_seqlens=cu,
         softmax_scale=validate.softmax_scale(softmax_scale, shapes),
         **shard,
@@ -169,6 +170,13 @@ def _query_shard(plan: p.Plan, query_offset, shapes: validate.Shapes, cu) -> dic
             f"select per token, or pack no sequences"
         )
     return {"query_offset": offset}
+
+
+def kernel_tables(platform: str, plan: p.Plan, config, seq_len: int) -> dict[str, tuple[np.ndarray, ...]]:
+    """The host tables the platform's generated kernels read (the module's TABLES): a Triton
+    kernel computing a branch's key ranges needs no table, which for `causal` at a million
+    tokens would hold 16384^2 entries."""
+    return branch_tables(plan, seq_len, codegen.load_module(platform, plan, for_device(config)).TABLES)
 
 
 def entry(platform: str, plan: p.Plan, config, name: str, pool_fns: Mapping[str, Callable] | None) -> Callable:
@@ -277,7 +285,7 @@ def attend(
         given.key,
         given.value,
         gates=given.gates,
-        tables=branch_tables(plan, given.shapes.seq_len),
+        tables=kernel_tables(platform, plan, config, given.shapes.seq_len),
         cu_seqlens=given.cu_seqlens,
         softmax_scale=given.softmax_scale,
         block_indices=given.block_indices,
