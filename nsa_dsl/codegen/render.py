@@ -15,6 +15,7 @@ import inspect
 import keyword
 import math
 import re
+from pathlib import Path
 
 import jinja2
 
@@ -123,7 +124,13 @@ def template_texts(backend: str) -> str:
     """Template text a backend's modules are rendered from, for cache keys: editing a template
     invalidates entries. Backends import each other's macros (triton renders token masks with
     xla/mask.j2), so every backend's key covers every template; `backend` names the entry. The
-    source of the Python the templates call to decide what goes in (the Jinja globals) counts too."""
+    source of the Python the templates call to decide what goes in (the Jinja globals) counts too,
+    and so does that of the runtime modules generated code imports (nsa_dsl/runtime: layout,
+    triton_glue, xla_engine), read as text: a module cached against one version of them is never
+    run against another."""
     root = templates_dir()
     deciders = "".join(f"\n{inspect.getsource(inspect.getmodule(fn))}" for fn in _TEMPLATE_GLOBALS.values())
-    return backend + "".join(f"\n{p.relative_to(root)}\n{p.read_text()}" for p in sorted(root.rglob("*.j2"))) + deciders
+    runtime = Path(__file__).resolve().parent.parent / "runtime"
+    imported = "".join(f"\n{p.name}\n{p.read_text()}" for p in sorted(runtime.glob("*.py")))
+    texts = "".join(f"\n{p.relative_to(root)}\n{p.read_text()}" for p in sorted(root.rglob("*.j2")))
+    return backend + texts + deciders + imported
