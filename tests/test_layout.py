@@ -47,22 +47,20 @@ def test_clean_selection_keeps_exactly_the_entries_that_count(rng):
     counts = rng.integers(0, width + 1, (TOTAL, heads_kv)).astype(np.int32)
     offsets = layout.sequence_offsets(np.array(CU_SEQLENS), 1, TOTAL)
     rows = layout.rows(offsets, TOTAL)
-    for causal in (True, False):
-        cleaned = np.asarray(layout.clean_selection(indices, counts, rows, BLOCK, causal))
-        for row in range(TOTAL):
-            found = sequence_of(row)
-            for h in range(heads_kv):
-                seen = set()
-                for e in range(width):
-                    block = int(indices[row, h, e])
-                    if found is None or e >= counts[row, h] or block < 0 or block in seen:
-                        keep = False
-                    else:
-                        _, start, end = found
-                        last = row - start if causal else end - start - 1
-                        keep = block <= last // BLOCK
-                    seen.add(block)
-                    assert cleaned[row, h, e] == (block if keep else -1), (row, h, e, causal)
+    cleaned = np.asarray(layout.clean_selection(indices, counts, rows, BLOCK))
+    for row in range(TOTAL):
+        found = sequence_of(row)
+        for h in range(heads_kv):
+            seen = set()
+            for e in range(width):
+                block = int(indices[row, h, e])
+                if found is None or e >= counts[row, h] or block < 0 or block in seen:
+                    keep = False
+                else:
+                    _, start, _ = found
+                    keep = block <= (row - start) // BLOCK
+                seen.add(block)
+                assert cleaned[row, h, e] == (block if keep else -1), (row, h, e)
 
 
 def test_pair_lists_are_the_selection_transposed(rng):
@@ -70,7 +68,7 @@ def test_pair_lists_are_the_selection_transposed(rng):
     offsets = layout.sequence_offsets(np.array(CU_SEQLENS), 1, TOTAL)
     rows = layout.rows(offsets, TOTAL)
     indices = rng.integers(-1, 3, (TOTAL, heads_kv, width)).astype(np.int32)
-    cleaned = layout.clean_selection(indices, np.full((TOTAL, heads_kv), width, np.int32), rows, BLOCK, True)
+    cleaned = layout.clean_selection(indices, np.full((TOTAL, heads_kv), width, np.int32), rows, BLOCK)
     blocks = layout.sequence_blocks(offsets, TOTAL, BLOCK)
     pairs = layout.selection_by_key_block(cleaned, rows, blocks)
     tokens, bounds = np.asarray(pairs.tokens), np.asarray(pairs.offsets)

@@ -148,3 +148,12 @@ def test_million_token_plan_builds_in_under_a_second():
     # 16375..16383, of which 16376 is on the stride.
     assert table.counts[-1] == 2048 + 9 - 1
     assert min(times) < 1.0, times  # the best of three: other jobs on the machine only add time
+
+
+def test_a_plan_that_selects_blocks_must_be_causal():
+    """Selection kernels mask keys after the query unconditionally: a bidirectional plan with a
+    selection branch is refused where it is built, not silently run causally."""
+    select = p.SelectBranch(name="slc", gate=None, block=16)
+    assert p.Plan("ok", 16, True, (), (select,)).causal
+    with pytest.raises(ValueError, match=r"branches \['slc'\] select blocks causally; the plan must be causal"):
+        p.Plan("bad", 16, False, (), (select,))

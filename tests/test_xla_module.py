@@ -18,7 +18,7 @@ from nsa_dsl.config import NativeSparseAttentionConfig
 from nsa_dsl.dsl import model
 from nsa_dsl.plan import lower
 from nsa_dsl.plan import plan as p
-from nsa_dsl.runtime import block_table, check_supported
+from nsa_dsl.runtime import block_table, check_supported, xla_engine
 
 
 def pattern(keys, *, causal=True, block=16, gate=None, name="demo", params=()):
@@ -120,14 +120,14 @@ def test_chunked_loops_and_mixed_branches(rng, monkeypatch, budget):
 
 
 def test_schedule_bounds_the_working_set():
-    module = codegen.load_module("xla", selection_plan(64))
+    budget = codegen.load_module("xla", selection_plan(64)).CHUNK_BYTES  # the generated default
     for items, rows, heads_q, heads_kv in itertools.product((1, 4096, 65536), (1, 64), (1, 32), (1, 2)):
-        sched = module.schedule(None, items=items, rows=rows, heads_q=heads_q, heads_kv=heads_kv, head_dim=64,
-                                steps=16, block=64)
+        sched = xla_engine.schedule(None, items=items, rows=rows, heads_q=heads_q, heads_kv=heads_kv, head_dim=64,
+                                    steps=16, block=64, chunk_bytes=budget)
         assert 1 <= sched.chunk <= items and sched.steps == 16
         gathered = 4 * 2 * heads_kv * 64 * 64  # one key and value block per item, float32
         scores = 4 * heads_q * rows * 64
-        assert sched.chunk == 1 or sched.chunk * (gathered + scores) <= module.CHUNK_BYTES
+        assert sched.chunk == 1 or sched.chunk * (gathered + scores) <= budget
 
 
 def test_plans_without_a_kernel_are_refused():

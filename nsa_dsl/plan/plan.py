@@ -116,6 +116,13 @@ class Plan:
     params: tuple[tuple[str, int | float | bool], ...]
     branches: tuple[BranchPlan, ...]
 
+    def __post_init__(self) -> None:
+        # Selections are causal by definition (the DSL refuses compress/topk in bidirectional
+        # patterns): every backend's selection kernels mask keys after the query unconditionally.
+        selecting = [b.name for b in self.branches if isinstance(b, (CompressBranch, TopKBranch, SelectBranch))]
+        if selecting and not self.causal:
+            raise ValueError(f"plan {self.name!r}: branches {selecting} select blocks causally; the plan must be causal")
+
     @property
     def gates(self) -> tuple[Gate, ...]:
         return tuple(b.gate for b in self.branches if b.gate is not None)

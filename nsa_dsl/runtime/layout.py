@@ -125,14 +125,13 @@ def sequence_blocks(offsets: jax.Array, total: int, block: int) -> Blocks:
     return Blocks(first, end_row, start, end, seq_first)
 
 
-def clean_selection(block_indices, block_counts, row_info: Rows, block: int, causal: bool) -> jax.Array:
+def clean_selection(block_indices, block_counts, row_info: Rows, block: int) -> jax.Array:
     """block_indices [N, HKV, S] with every ignored entry replaced by -1: entries past
-    block_counts, negative ids, ids past the row's block (causal) or past its sequence's last
-    block, repeats of an earlier entry (a block is read once), and every entry of a row in no
-    sequence. Each kept entry names a block holding at least one key its row sees."""
+    block_counts, negative ids, ids past the row's block (selection is causal), repeats of an
+    earlier entry (a block is read once), and every entry of a row in no sequence. Each kept
+    entry names a block holding at least one key its row sees."""
     entry = jnp.arange(block_indices.shape[-1])
-    last = row_info.pos if causal else row_info.end - row_info.start - 1
-    last_block = jnp.where(row_info.pos >= 0, last // block, -1)
+    last_block = jnp.where(row_info.pos >= 0, row_info.pos // block, -1)
     used = (entry < block_counts[..., None]) & (block_indices >= 0) & (block_indices <= last_block[:, None, None])
     repeated = jnp.any(
         (block_indices[..., :, None] == block_indices[..., None, :]) & (entry[:, None] > entry[None, :]), axis=-1

@@ -1,3 +1,30 @@
+"""The XLA backend's engine: gathered attention over work items (query tiles or single tokens)
+with an online softmax and a flash-style backward, the query-tile layout of a (possibly
+sharded, packed) batch, and Native Sparse Attention's compression and top-k selection on top of
+them.
+
+None of it depends on the pattern, so it is a module that every generated XLA module imports,
+not template text pasted into each: the generated module holds only what the pattern and the
+kernel config decide, and passes it in (its tile size BLOCK as `Frame.block`, its working-set
+budget CHUNK_BYTES as the `chunk_bytes` of `schedule` and `compression`, its branches' key
+rules as `Schedule.keys_for`).
+
+Inputs are trusted: nsa_dsl.runtime validates them before the generated module calls in.
+jit- and grad-safe.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from . import layout
+
 # ---- gathered attention: the machinery every branch kind shares ------------------------------
 #
 # A branch hands over "work items" (query tiles of a static branch, single tokens of an explicit
@@ -5,7 +32,7 @@
 # the key block each item reads and which (query, key) pairs are visible. Keys and values are
 # gathered one block per (item, KV head) and shared by the G query heads of the group. Items
 # are processed a chunk at a time, key blocks one per step with an online softmax, so the
-# working set stays near CHUNK_BYTES at any sequence length; the backward pass is
+# working set stays near the module's chunk_bytes at any sequence length; the backward pass is
 # flash-attention's, recomputing probabilities from the saved log-sum-exp chunk by chunk.
 #
 # Queries may be a shard of the rows (context parallelism): a Frame says where they lie among
@@ -18,9 +45,6 @@
 # than products contracting both operands' last dimension. One block per step keeps every
 # gather in its natural layout (no transposing copy) and measured fastest.
 
-# Working set of one chunk in float32: gathered keys and values, scores, probabilities.
-CHUNK_BYTES = {% if config is not none and config.chunk_bytes is not none %}{{ config.chunk_bytes }}{% else %}16 * 2**20{% endif %}
-
 
 class Schedule(NamedTuple):
     keys_for: Callable  # (work chunk, step) -> (block starts [C, 1|HKV], visible)
@@ -29,14 +53,16 @@ class Schedule(NamedTuple):
     chunk: int  # work items per chunk (C)
 
 
-def schedule(keys_for, *, items, rows, heads_q, heads_kv, head_dim, steps, block):
-    """The chunk size for `items` work items of `rows` query rows, each reading `steps` key blocks."""
+def schedule(keys_for, *, items, rows, heads_q, heads_kv, head_dim, steps, block, chunk_bytes):
+    """The chunk size for `items` work items of `rows` query rows, each reading `steps` key blocks,
+    that keeps a chunk's float32 working set (gathered keys and values, scores, probabilities)
+    near `chunk_bytes`."""
     per_item = 4 * (
         2 * heads_kv * block * head_dim  # gathered keys and values
         + 4 * heads_q * rows * block  # scores, probabilities and their gradients
         + 4 * heads_q * rows * head_dim  # queries, accumulator and their gradients
     )
-    chunk = max(1, min(items, CHUNK_BYTES // per_item))
+    chunk = max(1, min(items, chunk_bytes // per_item))
     chunk = -(-items // -(-items // chunk))  # the same number of chunks, evenly filled
     return Schedule(keys_for, block, max(steps, 1), chunk)
 
@@ -44,12 +70,14 @@ def schedule(keys_for, *, items, rows, heads_q, heads_kv, head_dim, steps, block
 class Frame(NamedTuple):
     """Where the query rows lie among the key rows: batch row b's queries are its keys
     [offset, offset + q_len) -- all of them, unless the queries are one shard of the sequence
-    axis (then q_len and offset are multiples of BLOCK; offset may be traced)."""
+    axis (then q_len and offset are multiples of `block`; offset may be traced). Query tiles
+    are `block` consecutive queries of one sequence."""
 
     offset: jax.Array | int
     q_len: int
     k_len: int
     batch: int
+    block: int  # the pattern's block size: rows per query tile
 
     @property
     def sharded(self):
@@ -73,7 +101,7 @@ class Frame(NamedTuple):
 def query_rows(cu_seqlens, frame):
     """layout.Rows of each query row: its sequence's start and end row and its position in it
     (-1 outside every sequence), all in the keys' rows."""
-    every = rows(cu_seqlens, frame.batch * frame.k_len)
+    every = layout.rows(cu_seqlens, frame.batch * frame.k_len)
     return jax.tree.map(lambda x: x[frame.key_rows()], every)
 
 
@@ -86,17 +114,18 @@ def query_tiles(cu_seqlens, frame):
     """The (sequence, query block) tiles that hold query rows, sequence by sequence, padded to a
     static bound; and where each sequence's tiles begin (TilePlacement). A tile's rows with no
     query (before q_lo or from q_hi on, positions in the sequence) see nothing."""
+    block = frame.block
     num_seqs = cu_seqlens.shape[0] - 1
     starts = cu_seqlens[:-1]
     lengths = jnp.maximum(cu_seqlens[1:] - starts, 0)
     first, end = frame.query_span(starts)
     q_lo = jnp.clip(first - starts, 0, lengths)
     q_hi = jnp.clip(end - starts, q_lo, lengths)
-    first_block = q_lo // BLOCK
-    counts = jnp.where(q_hi > q_lo, -(-q_hi // BLOCK) - first_block, 0)
-    # >= sum over sequences of their tiles' count: ceil(rows / BLOCK) each, and one more for the
+    first_block = q_lo // block
+    counts = jnp.where(q_hi > q_lo, -(-q_hi // block) - first_block, 0)
+    # >= sum over sequences of their tiles' count: ceil(rows / block) each, and one more for the
     # sequence that a shard boundary cuts off mid-tile.
-    num_tiles = (frame.batch * frame.q_len + num_seqs * (BLOCK - 1)) // BLOCK + (1 if frame.sharded else 0)
+    num_tiles = (frame.batch * frame.q_len + num_seqs * (block - 1)) // block + (1 if frame.sharded else 0)
     first_tile = jnp.concatenate([jnp.zeros(1, counts.dtype), jnp.cumsum(counts)])
     tile = jnp.arange(num_tiles)
     seq = jnp.minimum(jnp.searchsorted(first_tile[1:], tile, side="right"), num_seqs - 1)
@@ -113,28 +142,30 @@ def query_tiles(cu_seqlens, frame):
 
 
 def tile_queries(tiles, q_pos):
-    """[C, BLOCK] whether each of a chunk of tiles' rows (at positions q_pos) is a query."""
+    """[C, block] whether each of a chunk of tiles' rows (at positions q_pos) is a query."""
     return tiles["valid"][:, None] & (q_pos >= tiles["q_lo"][:, None]) & (q_pos < tiles["q_hi"][:, None])
 
 
 def tile_rows(rows, tiles, frame, heads_kv):
-    """Per-query rows [N, H, D] of every tile -> [tiles, HKV, BLOCK, H // HKV, D]; rows that hold
+    """Per-query rows [N, H, D] of every tile -> [tiles, HKV, block, H // HKV, D]; rows that hold
     no query are whatever the clamped gather reads (callers mask them)."""
+    block = frame.block
     num_tiles = tiles["start"].shape[0]
     heads, dim = rows.shape[1:]
-    index = frame.query_rows(tiles["start"][:, None] + tiles["q_block"][:, None] * BLOCK + jnp.arange(BLOCK))
+    index = frame.query_rows(tiles["start"][:, None] + tiles["q_block"][:, None] * block + jnp.arange(block))
     blocks = jnp.take(rows, index, axis=0, mode="clip")
-    return blocks.reshape(num_tiles, BLOCK, heads_kv, heads // heads_kv, dim).transpose(0, 2, 1, 3, 4)
+    return blocks.reshape(num_tiles, block, heads_kv, heads // heads_kv, dim).transpose(0, 2, 1, 3, 4)
 
 
 def untile(out, cu_seqlens, placement, frame):
-    """[tiles, HKV, BLOCK, ...] per tile -> [queries, HKV, ...] per query row (zeros outside
+    """[tiles, HKV, block, ...] per tile -> [queries, HKV, ...] per query row (zeros outside
     every sequence)."""
+    block = frame.block
     num_tiles, heads_kv = out.shape[:2]
-    out = out.swapaxes(1, 2).reshape(num_tiles * BLOCK, heads_kv, *out.shape[3:])
+    out = out.swapaxes(1, 2).reshape(num_tiles * block, heads_kv, *out.shape[3:])
     tokens = query_rows(cu_seqlens, frame)
-    tile = placement.first_tile[tokens.seq] + tokens.pos // BLOCK - placement.first_block[tokens.seq]
-    row = tile * BLOCK + tokens.pos % BLOCK
+    tile = placement.first_tile[tokens.seq] + tokens.pos // block - placement.first_block[tokens.seq]
+    row = tile * block + tokens.pos % block
     valid = (tokens.pos >= 0).reshape(-1, *[1] * (out.ndim - 1))
     return jnp.where(valid, jnp.take(out, row, axis=0, mode="clip"), jnp.zeros((), out.dtype))
 
@@ -288,3 +319,129 @@ def gathered_attention(sched, queries, keys, values, work):
     values = jnp.pad(values.transpose(1, 0, 2), ((0, 0), (0, sched.block), (0, 0)))
     out = _chunked_attention(sched, pad(queries), keys_t, values, jax.tree.map(pad, work))
     return out[:items]
+
+
+# ---- Native Sparse Attention: compression and top-k selection ---------------------------------
+#
+# compress(block=l, stride=d): compressed key/value i of a sequence pools its tokens
+# [i*d, i*d + l) (their mean, or a learned function the caller passes); a query at t sees it
+# once complete (i*d + l - 1 <= t). The compressed keys of all sequences live in one flat
+# array, sequence after sequence, so the gathered-attention machinery reads them like any
+# other key rows.
+# topk(n, block=l', ...): selection block j's importance is the compression probability of the
+# compressed blocks overlapping it, each weighted by the d-token units they share (the paper's
+# Eq. 9), summed over the query heads of a KV group; the n best causally valid blocks are kept,
+# forced blocks first, lower block ids first on ties. Selection is not differentiated:
+# gradients reach q, k and v through the branches' outputs.
+
+
+def compressed_key_blocks(block, cmp_block, cmp_stride, tiles, step):
+    """The block of `block` compressed keys each tile (of `block` queries) of a chunk reads at
+    `step`, and which of its (query, compressed key) pairs are visible (Schedule.keys_for)."""
+    index = step * block + jnp.arange(block)  # compressed keys of the tile's sequence
+    q_pos = tiles["q_block"][:, None] * block + jnp.arange(block)  # [C, block]
+    q_used = tile_queries(tiles, q_pos)
+    complete = index[None, None, :] * cmp_stride + cmp_block - 1 <= q_pos[:, :, None]
+    visible = q_used[:, :, None] & (index[None, :] < tiles["cmp_count"][:, None])[:, None, :] & complete
+    return (tiles["cmp_first"] + step * block)[:, None], visible[:, None, :, None, :]
+
+
+def compression(queries, pooled, cu_seqlens, frame, cmp_block, cmp_stride, chunk_bytes):
+    """A compress branch's output: queries [Nq, HQ, D] float32 (scaled) attending to the
+    compressed keys and values of layout.pool_compressed -> [Nq, HQ, D] float32, a chunk's
+    working set near `chunk_bytes` (schedule)."""
+    num_queries, heads_q, head_dim = queries.shape
+    k_cmp, v_cmp, cmp_offsets = pooled
+    heads_kv = k_cmp.shape[1]
+    tiles, placement = query_tiles(cu_seqlens, frame)
+    tiles["cmp_first"], tiles["cmp_count"] = cmp_offsets[tiles["seq"]], jnp.diff(cmp_offsets)[tiles["seq"]]
+    most = max((frame.k_len - cmp_block) // cmp_stride + 1, 1)  # compressed keys of the longest sequence
+    block = frame.block
+    sched = schedule(
+        functools.partial(compressed_key_blocks, block, cmp_block, cmp_stride),
+        items=tiles["start"].shape[0], rows=block, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim,
+        steps=-(-most // block), block=block, chunk_bytes=chunk_bytes,
+    )
+    out = gathered_attention(sched, tile_rows(queries, tiles, frame, heads_kv), k_cmp, v_cmp, tiles)
+    return untile(out, cu_seqlens, placement, frame).reshape(num_queries, heads_q, head_dim)
+
+
+def selection_scores(q, k_cmp, count, q_pos, length, cmp_block, cmp_stride, sel_block, num_sel):
+    """Importance of every selection block for a chunk of query rows.
+
+    q [C, HKV, R, G, D] (scaled), k_cmp [C, HKV, M, D] the rows' compressed keys, count [C] how
+    many exist, q_pos [C, R] the rows' positions in sequences of `length` [C] ->
+    [C, HKV, R, num_sel] summed over the group's heads; rows past the sequence score 0."""
+    index = jnp.arange(k_cmp.shape[2])
+    visible = (
+        (index[None, None, :] < count[:, None, None])
+        & (index[None, None, :] * cmp_stride + cmp_block - 1 <= q_pos[:, :, None])
+        & (q_pos < length[:, None])[:, :, None]
+    )  # [C, R, M]
+    scores = jnp.where(visible[:, None, :, None, :], jnp.einsum("chrgd,chmd->chrgm", q, k_cmp), -jnp.inf)
+    top = jnp.max(scores, axis=-1, keepdims=True)
+    p = jnp.exp(scores - jnp.where(top > -jnp.inf, top, 0.0))
+    p = p / jnp.maximum(p.sum(axis=-1, keepdims=True), 1e-30)
+    p = p.sum(axis=3)  # [C, HKV, R, M]: the group shares one selection
+    # Compressed block i covers the d-token units i .. i + l/d - 1; selection block j the units
+    # j*l'/d .. (j+1)*l'/d - 1.
+    per_unit = cmp_block // cmp_stride
+    units = sum(jnp.pad(p, [(0, 0)] * 3 + [(shift, per_unit - 1 - shift)]) for shift in range(per_unit))
+    units_per_block = sel_block // cmp_stride
+    width = num_sel * units_per_block
+    units = jnp.pad(units, [(0, 0)] * 3 + [(0, max(width - units.shape[-1], 0))])[..., :width]
+    return units.reshape(*units.shape[:3], num_sel, units_per_block).sum(axis=-1)
+
+
+def top_blocks(scores, last_block, forced, count):
+    """The `count` best blocks among 0..last_block per row, forced ones first, lower ids first
+    on ties; -1 where fewer exist. scores [..., S], last_block / forced broadcastable."""
+    block = jnp.arange(scores.shape[-1])
+    ranked = jnp.where(block <= last_block[..., None], jnp.where(forced, jnp.inf, scores), -jnp.inf)
+    best, index = lax.top_k(ranked, min(count, scores.shape[-1]))
+    index = jnp.where(best > -jnp.inf, index, -1)
+    return jnp.pad(index, [(0, 0)] * (index.ndim - 1) + [(0, count - index.shape[-1])], constant_values=-1)
+
+
+def topk_selection(
+    queries, pooled, cu_seqlens, frame, forced_table, *, count, cmp_block, cmp_stride, sel_block, query_block
+):
+    """Selected blocks [Nq, HKV, count] (ids of sel_block-token blocks of each query's sequence,
+    -1 unused) from queries [Nq, HQ, D] (scaled) and a compress branch's layout.pool_compressed.
+    Every query of a `query_block` group must be among the queries (the runtime sees to it)."""
+    block = frame.block
+    k_cmp, _, cmp_offsets = pooled
+    heads_kv = k_cmp.shape[1]
+    tiles, placement = query_tiles(cu_seqlens, frame)
+    most = max((frame.k_len - cmp_block) // cmp_stride + 1, 1)
+    num_sel = -(-frame.k_len // sel_block)
+    forced_indices, forced_counts = (jnp.asarray(part) for part in forced_table)
+    q_tiles = lax.stop_gradient(tile_rows(queries, tiles, frame, heads_kv))
+    # [HKV, rows, D], padded so that any sequence's `most` compressed keys can be sliced out.
+    k_cmp = jnp.pad(lax.stop_gradient(k_cmp).transpose(1, 0, 2), ((0, 0), (0, most), (0, 0)))
+
+    def one_tile(tile):
+        q, q_block, length, cmp_first, cmp_count = tile
+        k = lax.dynamic_slice_in_dim(k_cmp, cmp_first, most, axis=1)
+        q_pos = q_block * block + jnp.arange(block)
+        scores = selection_scores(
+            q[None], k[None], cmp_count[None], q_pos[None], length[None], cmp_block, cmp_stride, sel_block, num_sel
+        )[0]
+        # One selection per `query_block` consecutive queries: their scores add up, and the
+        # group's last query (within the sequence) decides which blocks are causally valid.
+        scores = scores.reshape(heads_kv, block // query_block, query_block, num_sel).sum(axis=2)
+        group_last = jnp.maximum(jnp.minimum(q_pos.reshape(-1, query_block)[:, -1], length - 1), 0)
+        row = jnp.minimum(group_last // sel_block, forced_indices.shape[0] - 1)
+        forced_ids = jnp.where(
+            jnp.arange(forced_indices.shape[1]) < forced_counts[row][:, None], forced_indices[row], -1
+        )
+        forced = (jnp.arange(num_sel)[None, :, None] == forced_ids[:, None, :]).any(axis=-1)  # [groups, num_sel]
+        chosen = top_blocks(scores, group_last // sel_block, forced[None], count)  # [HKV, groups, count]
+        return jnp.repeat(chosen, query_block, axis=1)  # [HKV, block, count]
+
+    chosen = lax.map(
+        one_tile,
+        (q_tiles, tiles["q_block"], tiles["length"], cmp_offsets[tiles["seq"]], jnp.diff(cmp_offsets)[tiles["seq"]]),
+    )
+    # Rows outside every sequence select nothing (-1), not block 0.
+    return untile(chosen + 1, cu_seqlens, placement, frame) - 1
