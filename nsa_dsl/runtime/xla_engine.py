@@ -49,8 +49,15 @@ from . import layout
 class Schedule(NamedTuple):
     keys_for: Callable  # (work chunk, step) -> (block starts [C, 1|HKV], visible)
     block: int  # rows per key block
-    steps: int  # key blocks per work item, one per step
+    steps: int  # key blocks per work item at most, one per step
     chunk: int  # work items per chunk (C)
+
+
+# A work dict may hold STEPS, [items] int: how many of the `steps` key blocks each item reads
+# (the first ones). A chunk then runs as many steps as its busiest item, not `steps`: a causal
+# table's rows or a compression tile's compressed keys grow along the sequence, so this halves
+# their work. Chunks are runs of consecutive items, which need about as many steps as each other.
+STEPS = "steps"
 
 
 def schedule(keys_for, *, items, rows, heads_q, heads_kv, head_dim, steps, block, chunk_bytes):
@@ -220,6 +227,17 @@ def _scan(body, carry, xs):
     return carry, jax.tree.map(lambda y: y[None], ys)
 
 
+def _steps(sched, step, carry, work):
+    """`step(carry, index)` over the key blocks a chunk of work items reads: all of
+    sched.steps, or as many as its busiest item's STEPS; one step runs inline."""
+    if sched.steps == 1:
+        return step(carry, 0)
+    if STEPS not in work:
+        return lax.fori_loop(0, sched.steps, lambda index, c: step(c, index), carry)
+    count = jnp.minimum(jnp.max(work[STEPS]), sched.steps)
+    return lax.fori_loop(0, count, lambda index, c: step(c, index), carry)
+
+
 def _chunk_forward(sched, q, keys_t, values, work):
     """One chunk: q [C, HKV, R, G, D] -> (out [C, HKV, R, G, D], lse [C, HKV, R, G])."""
 
@@ -235,11 +253,11 @@ def _chunk_forward(sched, q, keys_t, values, work):
         rescale = jnp.exp(running_max - shift)
         total = total * rescale + p.sum(axis=-1)
         acc = acc * rescale[..., None] + jnp.einsum("chrgk,chkd->chrgd", p, v)
-        return (new_max, total, acc), None
+        return new_max, total, acc
 
     inputs = (q, keys_t, values, work)
     init = (_filled(inputs, q.shape[:-1], -jnp.inf), _filled(inputs, q.shape[:-1], 0.0), _filled(inputs, q.shape, 0.0))
-    (running_max, total, acc), _ = _scan(step, init, jnp.arange(sched.steps))
+    running_max, total, acc = _steps(sched, step, init, work)
     seen = total > 0  # a row that sees no key outputs zeros
     total = jnp.where(seen, total, 1.0)
     return acc / total[..., None], jnp.where(seen, running_max + jnp.log(total), 0.0)
@@ -258,11 +276,10 @@ def _chunk_backward(sched, q, d_out, lse, delta, keys_t, values_t, work, grads):
         dq = dq + jnp.einsum("chrgk,chdk->chrgd", ds, k_t)
         dk_t = scatter_add_columns(dk_t, starts, jnp.einsum("chrgd,chrgk->chdk", q, ds))
         dv_t = scatter_add_columns(dv_t, starts, jnp.einsum("chrgd,chrgk->chdk", d_out, p))
-        return (dq, (dk_t, dv_t)), None
+        return dq, (dk_t, dv_t)
 
     dq = _filled((q, d_out, lse, delta, keys_t, values_t, work), q.shape, 0.0)
-    (dq, grads), _ = _scan(step, (dq, grads), jnp.arange(sched.steps))
-    return dq, grads
+    return _steps(sched, step, (dq, grads), work)
 
 
 def _chunks(tree, size):
@@ -357,6 +374,10 @@ def compression(queries, pooled, cu_seqlens, frame, cmp_block, cmp_stride, chunk
     tiles["cmp_first"], tiles["cmp_count"] = cmp_offsets[tiles["seq"]], jnp.diff(cmp_offsets)[tiles["seq"]]
     most = max((frame.k_len - cmp_block) // cmp_stride + 1, 1)  # compressed keys of the longest sequence
     block = frame.block
+    # A tile reads the blocks of compressed keys complete by its last query.
+    last = jnp.minimum(tiles["q_block"] * block + block, tiles["length"]) - 1
+    seen = jnp.clip((last - cmp_block + 1) // cmp_stride + 1, 0, tiles["cmp_count"])
+    tiles[STEPS] = jnp.where(tiles["valid"], -(-seen // block), 0)
     sched = schedule(
         functools.partial(compressed_key_blocks, block, cmp_block, cmp_stride),
         items=tiles["start"].shape[0], rows=block, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim,
