@@ -43,6 +43,21 @@ class NsaSpec:
         return np.asarray(self.pool_weights, dtype=np.float64)
 
 
+# The reference specs of examples/nsa.nsa (the paper's: global(first=1) | local(2) forced) and
+# examples/nsa_meanpool.nsa (each query's own block forced).
+PAPER = NsaSpec(compress_block=32, compress_stride=16, select_count=16, select_block=64, window=512,
+                forced=lambda qb, kb: kb < 1 or qb - 2 < kb <= qb)
+MEANPOOL = NsaSpec(compress_block=64, compress_stride=64, select_count=16, select_block=64,
+                   forced=lambda qb, kb: kb == qb)
+
+
+def chosen_scores(scores, chosen):
+    """The reference's importance of each chosen block, sorted; -inf for unused entries. Kernels
+    may break ties between equal scores differently: compare these, not the ids."""
+    picked = np.where(chosen >= 0, np.take_along_axis(scores, np.maximum(chosen, 0), axis=-1), -np.inf)
+    return np.sort(picked, axis=-1)
+
+
 def _segments(total: int, cu_seqlens) -> list[tuple[int, int]]:
     if cu_seqlens is None:
         return [(0, total)]

@@ -17,13 +17,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from conftest import FORWARD_TOLERANCE, GRADIENT_TOLERANCE, assert_close, gate, normal, qkv
-from nsa_reference import NsaSpec, nsa_gradients, nsa_reference
+from nsa_reference import PAPER, NsaSpec, chosen_scores, nsa_gradients, nsa_reference
 
 import nsa_dsl
 from nsa_dsl import codegen
 from nsa_dsl.runtime import dispatch
 
-PAPER_FORCED = lambda qb, kb: kb < 1 or qb - 2 < kb <= qb  # global(first=1) | local(2)
 
 
 def paper_example():
@@ -31,7 +30,7 @@ def paper_example():
     text = Path("examples/nsa.nsa").read_text().replace("block 64", "block 16")
     text = text.replace("compress(block=32, stride=16)", "compress(block=8, stride=4)")
     text = text.replace("topk(16, block=64", "topk(5, block=16").replace("window(512)", "window(24)")
-    spec = NsaSpec(compress_block=8, compress_stride=4, select_count=5, select_block=16, window=24, forced=PAPER_FORCED)
+    spec = NsaSpec(compress_block=8, compress_stride=4, select_count=5, select_block=16, window=24, forced=PAPER.forced)
     return text, spec
 
 
@@ -41,12 +40,6 @@ def meanpool_example():
     text = text.replace("compress(block=64, stride=64)", "compress(block=16, stride=16)").replace("topk(16, block=64", "topk(4, block=16")
     spec = NsaSpec(compress_block=16, compress_stride=16, select_count=4, select_block=16, forced=lambda qb, kb: kb == qb)
     return text, spec
-
-
-def chosen_scores(scores, chosen):
-    """The reference's importance of each chosen block, sorted; -inf for unused entries."""
-    picked = np.where(chosen >= 0, np.take_along_axis(scores, np.maximum(chosen, 0), axis=-1), -np.inf)
-    return np.sort(picked, axis=-1)
 
 
 def run_and_check(rng, text, spec, *, batch, seq_len, heads_q, heads_kv, head_dim, cu_seqlens=None, dtype=np.float32,

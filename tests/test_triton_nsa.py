@@ -16,8 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import assert_close, gate, normal, qkv
-from nsa_reference import NsaSpec, nsa_gradients, nsa_reference
-from test_xla_nsa import MEANPOOL, PAPER, chosen_scores
+from nsa_reference import MEANPOOL, PAPER, NsaSpec, chosen_scores, nsa_gradients, nsa_reference
 
 import nsa_dsl
 

@@ -11,12 +11,8 @@ import pytest
 
 import nsa_dsl
 from conftest import FORWARD_TOLERANCE, GRADIENT_TOLERANCE, assert_close, gate, normal, qkv
-from nsa_reference import NsaSpec, nsa_gradients, nsa_reference
+from nsa_reference import MEANPOOL, PAPER, NsaSpec, chosen_scores, nsa_gradients, nsa_reference
 
-PAPER = NsaSpec(compress_block=32, compress_stride=16, select_count=16, select_block=64, window=512,
-                forced=lambda qb, kb: kb < 1 or qb - 2 < kb <= qb)
-MEANPOOL = NsaSpec(compress_block=64, compress_stride=64, select_count=16, select_block=64,
-                   forced=lambda qb, kb: kb == qb)
 EXAMPLES = {"nsa": ("examples/nsa.nsa", PAPER), "nsa_meanpool": ("examples/nsa_meanpool.nsa", MEANPOOL)}
 
 
@@ -24,12 +20,6 @@ def small(spec: NsaSpec, **changes) -> tuple[dict, NsaSpec]:
     """Overrides that shrink an example to test sizes, and the matching reference spec."""
     from dataclasses import replace
     return changes, replace(spec, **changes)
-
-
-def chosen_scores(scores, chosen):
-    """The reference's importance of each chosen block, sorted; -inf for unused entries."""
-    picked = np.where(chosen >= 0, np.take_along_axis(scores, np.maximum(chosen, 0), axis=-1), -np.inf)
-    return np.sort(picked, axis=-1)
 
 
 def run_and_check(rng, source, spec, *, batch, seq_len, heads_q, heads_kv, head_dim, cu_seqlens=None, gates=("cmp", "slc", "swa")):
