@@ -425,10 +425,12 @@ def top_blocks(scores, last_block, forced, count):
 
 
 def topk_selection(
-    queries, pooled, cu_seqlens, frame, forced_table, *, count, cmp_block, cmp_stride, sel_block, query_block
+    queries, pooled, cu_seqlens, frame, forced_table, *, count, cmp_block, cmp_stride, sel_block, query_block,
+    chunk_bytes,
 ):
     """Selected blocks [Nq, HKV, count] (ids of sel_block-token blocks of each query's sequence,
-    -1 unused) from queries [Nq, HQ, D] (scaled) and a compress branch's layout.pool_compressed.
+    -1 unused) from queries [Nq, HQ, D] (scaled) and a compress branch's layout.pool_compressed,
+    scoring as many tiles at once as keep their float32 scores near `chunk_bytes`.
     Every query of a `query_block` group must be among the queries (the runtime sees to it)."""
     block = frame.block
     k_cmp, _, cmp_offsets = pooled
@@ -460,9 +462,12 @@ def topk_selection(
         chosen = top_blocks(scores, group_last // sel_block, forced[None], count)  # [HKV, groups, count]
         return jnp.repeat(chosen, query_block, axis=1)  # [HKV, block, count]
 
+    heads = queries.shape[1]
+    tile_bytes = 4 * block * heads * (2 * most + num_sel)  # scores, probabilities, block importances
     chosen = lax.map(
         one_tile,
         (q_tiles, tiles["q_block"], tiles["length"], cmp_offsets[tiles["seq"]], jnp.diff(cmp_offsets)[tiles["seq"]]),
+        batch_size=max(1, min(tiles["start"].shape[0], chunk_bytes // tile_bytes)),
     )
     # Rows outside every sequence select nothing (-1), not block 0.
     return untile(chosen + 1, cu_seqlens, placement, frame) - 1
