@@ -176,7 +176,14 @@ def kernel_tables(platform: str, plan: p.Plan, config, seq_len: int) -> dict[str
     """The host tables the platform's generated kernels read (the module's TABLES): a Triton
     kernel computing a branch's key ranges needs no table, which for `causal` at a million
     tokens would hold 16384^2 entries."""
-    return branch_tables(plan, seq_len, codegen.load_module(platform, plan, for_device(config)).TABLES)
+    return branch_tables(plan, seq_len, _tables_read(platform, plan, config))
+
+
+@functools.lru_cache(maxsize=None)
+def _tables_read(platform: str, plan: p.Plan, config: NativeSparseAttentionConfig | None) -> tuple[str, ...]:
+    """The generated module's TABLES, looked up once per (platform, plan, config) as `kernel` is:
+    finding the module computes its cache key, which reads every template."""
+    return codegen.load_module(platform, plan, for_device(config)).TABLES
 
 
 def entry(platform: str, plan: p.Plan, config, name: str, pool_fns: Mapping[str, Callable] | None) -> Callable:
