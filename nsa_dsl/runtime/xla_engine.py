@@ -232,9 +232,7 @@ def _steps(sched, step, carry, work):
     sched.steps, or as many as its busiest item's STEPS; one step runs inline."""
     if sched.steps == 1:
         return step(carry, 0)
-    if STEPS not in work:
-        return lax.fori_loop(0, sched.steps, lambda index, c: step(c, index), carry)
-    count = jnp.minimum(jnp.max(work[STEPS]), sched.steps)
+    count = jnp.minimum(jnp.max(work[STEPS]), sched.steps) if STEPS in work else sched.steps
     return lax.fori_loop(0, count, lambda index, c: step(c, index), carry)
 
 
