@@ -41,6 +41,7 @@ import time
 import traceback
 import zlib
 from importlib import metadata
+from typing import NamedTuple
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
@@ -149,9 +150,22 @@ STATIC_CASES = [
 ]
 
 
-def check_static_case(name, dtype, B, T, HQ, HKV, D, cu, platform="triton") -> dict:
+class PatternRun(NamedTuple):
+    """A compiled pattern run on random inputs: the inputs rounded to the run's dtype and held in
+    float64 for the reference, and the kernels' output and gradients (q, k, v, then the gates)."""
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    d_out: np.ndarray
+    gates: dict
+    cu_seqlens: np.ndarray | None
+    out: jax.Array
+    grads: tuple
+
+
+def run_pattern(attention, gate_names, name, dtype, B, T, HQ, HKV, D, cu, platform) -> PatternRun:
     rng = np.random.default_rng(zlib.crc32(f"{name} {dtype}".encode()))
-    attention, gate_names = static_pattern(name)
     q, k, v, _, _, _, d_out = random_problem(rng, B, T, HQ, HKV, D, 1, 64, cu)
     gates = {n: rng.uniform(0.1, 1.0, (B, T, HQ)).astype(np.float32) for n in gate_names}
     cast = lambda x: jnp.asarray(x, dtype)  # noqa: E731
@@ -163,7 +177,13 @@ def check_static_case(name, dtype, B, T, HQ, HKV, D, cu, platform="triton") -> d
         return attention(q, k, v, cu_seqlens=cu_arg, platform=platform, **dict(zip(gate_names, gate_values)))
 
     out, vjp = jax.vjp(jax.jit(f), cast(q), cast(k), cast(v), *(cast(gates[n]) for n in gate_names))
-    grads = vjp(cast(d_out))
+    return PatternRun(q, k, v, d_out, gates, cu_arg, out, vjp(cast(d_out)))
+
+
+def check_static_case(name, dtype, B, T, HQ, HKV, D, cu, platform="triton") -> dict:
+    attention, gate_names = static_pattern(name)
+    run = run_pattern(attention, gate_names, name, dtype, B, T, HQ, HKV, D, cu, platform)
+    q, k, v, d_out, gates, out, grads = run.q, run.k, run.v, run.d_out, run.gates, run.out, run.grads
     plan = attention.plan
     masks = [reference.static_mask(b.static, plan.block_size, plan.causal, B, T, cu) for b in plan.branches]
     branch_gates = [None if b.gate is None else gates[b.gate.name] for b in plan.branches]
@@ -232,34 +252,20 @@ def nsa_pattern(name):
 
 
 def check_nsa_case(name, dtype, B, T, HQ, HKV, D, cu, platform="pallas") -> dict:
-    from tests.nsa_reference import nsa_gradients, nsa_reference
+    from tests.nsa_reference import chosen_scores, nsa_gradients, nsa_reference
 
-    rng = np.random.default_rng(zlib.crc32(f"{name} {dtype}".encode()))
     text, spec = nsa_pattern(name)
     attention = nsa_dsl.compile(text)
     gate_names = sorted(g.name for g in attention.plan.gates)
-    q, k, v, _, _, _, d_out = random_problem(rng, B, T, HQ, HKV, D, 1, 64, cu)
-    gates = {n: rng.uniform(0.1, 1.0, (B, T, HQ)).astype(np.float32) for n in gate_names}
-    cast = lambda x: jnp.asarray(x, dtype)  # noqa: E731
-    q, k, v, d_out = (np.asarray(cast(x), np.float64) for x in (q, k, v, d_out))
-    gates = {n: np.asarray(cast(g), np.float64) for n, g in gates.items()}
-    cu_arg = None if cu is None else np.asarray(cu, np.int32)
-
-    (chosen,) = attention.selections(cast(q), cast(k), cast(v), cu_seqlens=cu_arg, platform=platform).values()
+    run = run_pattern(attention, gate_names, name, dtype, B, T, HQ, HKV, D, cu, platform)
+    q, k, v, d_out, gates, out, grads = run.q, run.k, run.v, run.d_out, run.gates, run.out, run.grads
+    inputs = (jnp.asarray(x, dtype) for x in (q, k, v))
+    (chosen,) = attention.selections(*inputs, cu_seqlens=run.cu_seqlens, platform=platform).values()
     chosen = np.asarray(chosen)
-
-    def f(q, k, v, *gate_values):
-        return attention(q, k, v, cu_seqlens=cu_arg, platform=platform, **dict(zip(gate_names, gate_values)))
-
-    out, vjp = jax.vjp(jax.jit(f), cast(q), cast(k), cast(v), *(cast(gates[n]) for n in gate_names))
-    grads = vjp(cast(d_out))
     weights = {n.removeprefix("g_"): g for n, g in gates.items()}
     _, _, best, scores = nsa_reference(q, k, v, spec, gates=weights, cu_seqlens=cu)
     # The chosen blocks' reference scores against the reference's best (ties may swap ids).
-    got, want = (
-        np.sort(np.where(c >= 0, np.take_along_axis(scores, np.maximum(c, 0), axis=-1), -np.inf), axis=-1)
-        for c in (chosen, best)
-    )
+    got, want = chosen_scores(scores, chosen), chosen_scores(scores, best)
     finite = np.isfinite(want)
     same = (np.isfinite(got) == finite).all()
     selection_gap = float(np.abs(got[finite] - want[finite]).max() / np.abs(want[finite]).max()) if same else float("inf")
