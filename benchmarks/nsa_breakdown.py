@@ -1,12 +1,14 @@
-"""Where the time of a Native Sparse Attention call goes: each stage of examples/nsa.nsa timed on
-its own, on one platform, in one process.
+"""Where the time of a Native Sparse Attention call goes: each stage of a three-branch NSA pattern
+timed on its own, on one platform, in one process.
 
     PYTHONPATH=. python benchmarks/nsa_breakdown.py --platform triton --seq-len 65536 --out DIR
     PYTHONPATH=. python benchmarks/nsa_breakdown.py --platform xla --seq-len 4096 --heads-q 16 \\
         --heads-kv 1 --head-dim 64 --dtype float32        # this CPU
 
-Stages (each a pattern of some of the example's branches, same block sizes and gates):
-  compression      compress(32, 16) alone: pooling and the compression attention
+Stages (each a pattern of some of the branches, same block sizes and gates; the compression is
+issue 4's l = d = 64 unless --compress-block/--compress-stride say otherwise, e.g. 32/16 as in
+examples/nsa.nsa):
+  compression      compress(l, d) alone: pooling and the compression attention
   top-k            the selections (attention.selections: compression's lse and the top-16 scoring)
   compression+top-k+selection   compress and topk(16 of 64-token blocks) branches
   window           window(512) alone
@@ -38,7 +40,7 @@ import nsa_dsl
 
 HEADER = "pattern nsa_stage\nblock 64\ncausal\n"
 BRANCHES = {
-    "cmp": "branch cmp = compress(block=32, stride=16) gate g_cmp\n",
+    "cmp": "branch cmp = compress(block={block}, stride={stride}) gate g_cmp\n",
     "slc": "branch slc = topk(16, block=64, score=cmp, force=global(first=1) | local(2)) gate g_slc\n",
     "swa": "branch swa = window(512) gate g_swa\n",
 }
@@ -70,6 +72,8 @@ def main() -> None:
     parser.add_argument("--heads-kv", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--compress-block", type=int, default=64, help="l of compress(l, d)")
+    parser.add_argument("--compress-stride", type=int, default=64, help="d of compress(l, d)")
     parser.add_argument("--time-cap-s", type=float, default=2.0)
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for nsa_breakdown.json")
     args = parser.parse_args()
@@ -101,7 +105,8 @@ def main() -> None:
         rows.append(row)
 
     for stage, branches in STAGES.items():
-        attention = nsa_dsl.compile(HEADER + "".join(BRANCHES[b] for b in branches))
+        text = "".join(BRANCHES[b] for b in branches).format(block=args.compress_block, stride=args.compress_stride)
+        attention = nsa_dsl.compile(HEADER + text)
         gates = {f"g_{b}": all_gates[f"g_{b}"] for b in branches}
         forward, backward = stage_programs(attention, args.platform, gates)
         timed(stage, "fwd", lambda f=forward: f(q, k, v))
