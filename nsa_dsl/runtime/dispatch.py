@@ -116,7 +116,7 @@ def use_compilation_cache() -> None:
     """Keep compiled executables on disk beside the generated modules, so that a new process
     does not compile a pattern again: JAX's persistent compilation cache, under
     $NSA_DSL_CACHE_DIR/jax, unless the application configured one (or NSA_DSL_JAX_CACHE=0).
-    Triton keeps its compiled kernels in its own disk cache."""
+    Triton kernels compiled through jax-triton have their own cache (runtime/triton_cache.py)."""
     if os.environ.get("NSA_DSL_JAX_CACHE") == "0" or jax.config.jax_compilation_cache_dir:
         return
     jax.config.update("jax_compilation_cache_dir", str(codegen.cache_root() / "jax"))

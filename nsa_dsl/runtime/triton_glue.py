@@ -2,7 +2,8 @@
 Triton's interpreter.
 
 A generated Triton module calls `launch` for every kernel. With a GPU build of jax the kernel
-becomes an XLA custom call through `jax_triton.triton_call` (imported only then). Without a GPU
+becomes an XLA custom call through `jax_triton.triton_call` (imported only then; its compiled
+kernels are kept on disk by `triton_cache`). Without a GPU
 the very same `@triton.jit` functions run in Triton's interpreter (TRITON_INTERPRET=1) inside a
 `jax.pure_callback`, on the host buffers of the callback's numpy arrays, so a generated module
 works under `jax.jit` and `jax.grad` on a CPU: that is how CI checks the kernels. The
@@ -25,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import triton_cache
 from .layout import varying_like
 
 
@@ -117,6 +119,7 @@ def launch(
     if on_gpu():
         import jax_triton
 
+        triton_cache.install()
         result = jax_triton.triton_call(
             *inputs,
             kernel=kernel,
