@@ -46,13 +46,13 @@ def weighted_pool(weights):
 
 
 def check_against_reference(rng, source, spec, *, batch, seq_len, heads_q, heads_kv, head_dim, dtype=np.float32,
-                            cu_seqlens=None, gates=("cmp", "slc", "swa"), softmax_scale=None):
+                            cu_seqlens=None, gates=("cmp", "slc", "swa"), softmax_scale=None, config=None):
     """Selections, output and gradients (of q, k, v, the gates, the softmax scale and, with
     spec.pool_weights, the learned pooling's weights) of the pattern `source` on the triton
     platform against spec's float64 reference."""
     forward_tolerance, gradient_tolerance, score_rtol = TOLERANCE[dtype]
     scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
-    attn = nsa_dsl.compile(source)
+    attn = nsa_dsl.compile(source, config=config)
     q, k, v = qkv(rng, batch, seq_len, heads_q, heads_kv, head_dim, dtype=dtype)
     g = {name: gate(rng, batch, seq_len, heads_q).astype(dtype)
          for name in gates if name != "swa" or spec.window is not None}
@@ -133,6 +133,28 @@ def test_packed_sequences_with_learned_pooling(rng):
     # Group 1, two KV heads; a sequence too short to compress; rows 38.. in no sequence.
     check_against_reference(rng, source, spec, batch=1, seq_len=40, heads_q=2, heads_kv=2, head_dim=16,
                             cu_seqlens=[0, 6, 25, 38], gates=("cmp", "slc"), softmax_scale=0.4)
+
+
+@pytest.mark.parametrize(
+    "compress_block, compress_stride, seq_len, heads_q, cu_seqlens",
+    [
+        (16, 8, 130, 2, None),  # overlapping keys: 7 blocks a chunk, two chunks
+        (16, 16, 300, 1, [0, 21, 300]),  # one key per block: 16 blocks a chunk; group 1, packed
+    ],
+)
+def test_topk_merges_chunks_of_candidate_blocks(rng, compress_block, compress_stride, seq_len, heads_q, cu_seqlens):
+    """block_k=16 makes the top-k walk a long sequence's blocks in several chunks, each merged into
+    the running best."""
+    source = (
+        "pattern p\nblock 16\n"
+        f"branch cmp = compress(block={compress_block}, stride={compress_stride}) gate g_cmp\n"
+        "branch slc = topk(3, block=16, score=cmp, force=global(first=1)) gate g_slc\n"
+    )
+    spec = NsaSpec(compress_block=compress_block, compress_stride=compress_stride, select_count=3, select_block=16,
+                   forced=lambda qb, kb: kb < 1)
+    check_against_reference(rng, source, spec, batch=1, seq_len=seq_len, heads_q=heads_q, heads_kv=1, head_dim=16,
+                            cu_seqlens=cu_seqlens, gates=("cmp", "slc"),
+                            config=nsa_dsl.NativeSparseAttentionConfig(block_size=16, block_k=16))
 
 
 def test_selection_per_block_of_queries_in_float16(rng):
