@@ -135,7 +135,7 @@ def test_a_second_process_compiles_no_kernel_again(tmp_path):
         return json.loads(done.stdout.strip().splitlines()[-1])
 
     cold = run()
-    entries = sorted(Path(tmp_path, "triton").rglob("*.json"))
+    entries = sorted(Path(tmp_path, "triton-kernels").rglob("*.json"))
     assert cold["compiled"] >= 2 and len(entries) == cold["compiled"]  # forward and backward kernels
     warm = run()
     assert warm["compiled"] == 0 and warm["grads"] == cold["grads"]

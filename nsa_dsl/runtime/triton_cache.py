@@ -5,7 +5,7 @@ and keeps the result in a dict in memory: every new process compiles every kerne
 (measured on the H200 for examples/nsa.nsa's forward and backward at 8k tokens: 8.6 s of a 12.8 s
 first call). JAX's persistent compilation cache cannot help, because lowering comes before its
 lookup. This module gives the kernels of nsa_dsl's generated modules a disk cache under
-`$NSA_DSL_CACHE_DIR/triton`: `install` wraps jax-triton's `get_or_create_triton_kernel`, which
+`$NSA_DSL_CACHE_DIR/triton-kernels`: `install` wraps jax-triton's `get_or_create_triton_kernel`, which
 then builds the kernel from a cache entry (PTX, kernel name, shared memory, TTIR and the pointer
 arguments' specialisation) instead of compiling it. Kernels of other libraries pass through
 untouched; `NSA_DSL_TRITON_CACHE=0` leaves jax-triton alone.
@@ -81,7 +81,7 @@ def install() -> None:
         key = _entry_key(triton_lib, platform, fn, arg_dtypes, scalar_args, options)
         if key is None:
             return compile_kernel(backend_init_func, platform, fn, arg_dtypes, scalar_args, **options)
-        path = cache_root() / "triton" / key[:2] / f"{key}.json"
+        path = cache_root() / "triton-kernels" / key[:2] / f"{key}.json"
         entry = _read_entry(path)
         if entry is None:
             _recorded.compilation = None
