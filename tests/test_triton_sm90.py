@@ -1,0 +1,69 @@
+"""Every Triton kernel compiles for an H100/H200 (sm_90a) within its shared memory, checked on a
+machine without a GPU (tests/triton_sm90.py compiles them with Triton's own compiler and ptxas).
+
+The interpreter tests check what the kernels compute; this checks what only a GPU compile would
+otherwise reveal: code the interpreter accepts but the compiler rejects (a non-constexpr bound of
+tl.static_range, say) and tiles that ask more shared memory than the multiprocessor has (float32
+with wide heads). Shapes are the benchmark's (GQA 16, D = 128, bfloat16) and the widest float32
+heads; sequence lengths do not change the kernels."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+# Opt-in shared memory per block of an H100/H200 (cudaDevAttrMaxSharedMemoryPerBlockOptin).
+SM90_SHARED_BYTES = 232448
+
+BENCHMARK = {"batch": 1, "seq_len": 4096, "heads_q": 64, "heads_kv": 4, "head_dim": 128, "dtype": "bfloat16"}
+CASES = {
+    # Full NSA (compression, top-k, selection, window) and explicit selection at the benchmark's shape.
+    "benchmark shape, bfloat16": [{"pattern": "nsa.nsa", **BENCHMARK}, {"selection": True, **BENCHMARK}],
+    # Static patterns with fused and tabled launches; NSA in float32 (half the rows per tile); the
+    # widest float32 heads of explicit selection.
+    "static patterns, float16 and float32": [
+        {"pattern": "bigbird.nsa", **BENCHMARK, "head_dim": 64},
+        {"pattern": "longformer.nsa", **BENCHMARK, "head_dim": 96, "dtype": "float16"},
+        {"pattern": "nsa_meanpool.nsa", **BENCHMARK, "heads_q": 12, "head_dim": 100, "dtype": "float32"},
+        {"selection": True, **BENCHMARK, "heads_q": 16, "heads_kv": 1, "head_dim": 256, "dtype": "float32"},
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory) -> dict[str, list[dict]]:
+    """Each group of cases compiled in a process of its own, the groups side by side."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
+    env.pop("TRITON_INTERPRET", None)
+    workers = {}
+    for name, cases in CASES.items():
+        env_case = {**env, "NSA_DSL_CACHE_DIR": str(tmp_path_factory.mktemp("sm90"))}
+        command = [sys.executable, str(HERE / "triton_sm90.py"), json.dumps(cases)]
+        workers[name] = subprocess.Popen(
+            command, env=env_case, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+    results = {}
+    for name, worker in workers.items():
+        stdout, stderr = worker.communicate(timeout=900)
+        assert worker.returncode == 0, f"{name}: worker failed\n{stderr[-3000:]}"
+        results[name] = json.loads(stdout.strip().splitlines()[-1])
+    return results
+
+
+@pytest.mark.parametrize("group", list(CASES))
+def test_every_kernel_compiles_for_sm90_within_shared_memory(compiled, group):
+    kernels = compiled[group]
+    assert kernels, "no kernel was launched"
+    errors = [f"{k['kernel']}: {k['error']}" for k in kernels if "error" in k]
+    assert not errors, "\n".join(errors)
+    too_big = [f"{k['kernel']}: {k['shared']} bytes" for k in kernels if k["shared"] > SM90_SHARED_BYTES]
+    assert not too_big, f"more shared memory than an sm_90 block may have ({SM90_SHARED_BYTES} bytes): {too_big}"
+    names = {k["kernel"] for k in kernels}
+    if group.startswith("benchmark"):
+        assert {"compression_forward", "topk_selection", "selection_forward", "selection_backward_dkdv"} <= names
