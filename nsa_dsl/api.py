@@ -84,7 +84,7 @@ class SparseAttention:
     def source(self, platform: str | None = None) -> str:
         """The generated module's source for `platform` (None: the one calls would run on)."""
         platform = choose_platform(self.plan, platform, self.config)
-        check_supported(self.plan, platform, self.config)
+        check_supported(self.plan, platform)
         return codegen.source(platform, self.plan, for_device(self.config))
 
     def selections(self, query, key, value, *, cu_seqlens=None, softmax_scale=None, platform: str | None = None,

@@ -11,18 +11,19 @@ forward and backward in one jit): shapes are small."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from conftest import FORWARD_TOLERANCE, GRADIENT_TOLERANCE, assert_close, gate, normal, qkv
 from nsa_reference import PAPER, NsaSpec, chosen_scores, nsa_gradients, nsa_reference
 
 import nsa_dsl
 from nsa_dsl import codegen
 from nsa_dsl.runtime import dispatch
-
 
 
 def paper_example():
@@ -37,17 +38,37 @@ def paper_example():
 def meanpool_example():
     """examples/nsa_meanpool.nsa scaled down: l = d = l' = 16, n = 4."""
     text = Path("examples/nsa_meanpool.nsa").read_text().replace("block 64", "block 16")
-    text = text.replace("compress(block=64, stride=64)", "compress(block=16, stride=16)").replace("topk(16, block=64", "topk(4, block=16")
-    spec = NsaSpec(compress_block=16, compress_stride=16, select_count=4, select_block=16, forced=lambda qb, kb: kb == qb)
+    text = text.replace("compress(block=64, stride=64)", "compress(block=16, stride=16)").replace(
+        "topk(16, block=64", "topk(4, block=16"
+    )
+    spec = NsaSpec(
+        compress_block=16, compress_stride=16, select_count=4, select_block=16, forced=lambda qb, kb: kb == qb
+    )
     return text, spec
 
 
-def run_and_check(rng, text, spec, *, batch, seq_len, heads_q, heads_kv, head_dim, cu_seqlens=None, dtype=np.float32,
-                  pool_fns=None, patch=None, gradients=True):
+def run_and_check(
+    rng,
+    text,
+    spec,
+    *,
+    batch,
+    seq_len,
+    heads_q,
+    heads_kv,
+    head_dim,
+    cu_seqlens=None,
+    dtype=np.float32,
+    pool_fns=None,
+    patch=None,
+    gradients=True,
+    config=None,
+):
     """Selection, output and (with `gradients`) gradients of the pattern `text` through the Pallas
-    module, in one jit, against the reference; patch(module) may change its tile constants first."""
+    module (config=TPU: its TPU variant), in one jit, against the reference; patch(module) may
+    change its tile constants first."""
     attention = nsa_dsl.compile(text)
-    module = codegen.load_module("pallas", attention.plan)
+    module = codegen.load_module("pallas", attention.plan, config)
     if patch is not None:
         patch(module)
     q, k, v = (x.astype(dtype) for x in qkv(rng, batch, seq_len, heads_q, heads_kv, head_dim))
@@ -61,7 +82,9 @@ def run_and_check(rng, text, spec, *, batch, seq_len, heads_q, heads_kv, head_di
 
     def everything(q, k, v, gates, d_out):
         (chosen,) = module.selections(q, k, v, **options).values()
-        out, pullback = jax.vjp(lambda q, k, v, gates: module.attention(q, k, v, gates=gates, **options), q, k, v, gates)
+        out, pullback = jax.vjp(
+            lambda q, k, v, gates: module.attention(q, k, v, gates=gates, **options), q, k, v, gates
+        )
         return chosen, out, pullback(d_out) if gradients else None
 
     chosen, out, cotangents = jax.jit(everything)(q, k, v, gates, d_out)
@@ -81,7 +104,9 @@ def run_and_check(rng, text, spec, *, batch, seq_len, heads_q, heads_kv, head_di
     np.testing.assert_allclose(got[finite], want[finite], rtol=score_tolerance, atol=score_tolerance * 1e-2)
 
     # Outputs and gradients for the kernel's (validated) selection.
-    forward_tolerance, gradient_tolerance = (FORWARD_TOLERANCE, GRADIENT_TOLERANCE) if dtype == np.float32 else (5e-3, 5e-3)
+    forward_tolerance, gradient_tolerance = (
+        (FORWARD_TOLERANCE, GRADIENT_TOLERANCE) if dtype == np.float32 else (5e-3, 5e-3)
+    )
     expected, _, _, _ = nsa_reference(q, k, v, spec, gates=weights, cu_seqlens=cu, selected=chosen)
     assert_close(as64(out), expected, forward_tolerance, "output")
     if not gradients:
@@ -112,8 +137,18 @@ def test_meanpool_example_on_packed_sequences_in_gpu_tile_layouts(rng, monkeypat
     def gpu_tiles(module):
         monkeypatch.setattr(module, "POWER_OF_TWO_TILES", True)
 
-    run_and_check(rng, text, spec, batch=1, seq_len=160, heads_q=16, heads_kv=1, head_dim=20,
-                  cu_seqlens=[0, 15, 70, 131, 150], patch=gpu_tiles)  # rows past 150 belong to no sequence
+    run_and_check(
+        rng,
+        text,
+        spec,
+        batch=1,
+        seq_len=160,
+        heads_q=16,
+        heads_kv=1,
+        head_dim=20,
+        cu_seqlens=[0, 15, 70, 131, 150],
+        patch=gpu_tiles,
+    )  # rows past 150 belong to no sequence
 
 
 def test_selection_per_block_of_queries_with_learned_pooling_float16(rng):
@@ -125,15 +160,33 @@ def test_selection_per_block_of_queries_with_learned_pooling_float16(rng):
         "branch slc = topk(3, block=16, score=cmp, force=global(first=1)) per block(8) gate g_slc\n"
     )
     weights = rng.uniform(0.0, 0.3, 16)
-    spec = NsaSpec(compress_block=16, compress_stride=8, select_count=3, select_block=16, query_block=8,
-                   forced=lambda qb, kb: kb < 1, pool_weights=tuple(weights))
+    spec = NsaSpec(
+        compress_block=16,
+        compress_stride=8,
+        select_count=3,
+        select_block=16,
+        query_block=8,
+        forced=lambda qb, kb: kb < 1,
+        pool_weights=tuple(weights),
+    )
 
     def weighted(k_blocks, v_blocks):
         w = jnp.asarray(weights, jnp.float32)
         return jnp.einsum("cjhd,j->chd", k_blocks, w), jnp.einsum("cjhd,j->chd", v_blocks, w)
 
-    run_and_check(rng, text, spec, batch=2, seq_len=75, heads_q=2, heads_kv=2, head_dim=16, dtype=np.float16,
-                  pool_fns={"cmp": weighted}, gradients=False)
+    run_and_check(
+        rng,
+        text,
+        spec,
+        batch=2,
+        seq_len=75,
+        heads_q=2,
+        heads_kv=2,
+        head_dim=16,
+        dtype=np.float16,
+        pool_fns={"cmp": weighted},
+        gradients=False,
+    )
 
 
 def test_kernels_lower_to_triton_for_a_gpu(rng, monkeypatch):
@@ -158,3 +211,114 @@ def test_kernels_lower_to_triton_for_a_gpu(rng, monkeypatch):
     for function, kernels in ((loss, 4), (jax.grad(loss, argnums=(0, 1, 2)), 10)):
         text = jax.jit(function).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("__gpu$xla.gpu.triton") == kernels
+
+
+# ---- the TPU (Mosaic) variant: pallas/tpu_nsa.py.j2 --------------------------------------------
+
+TPU = nsa_dsl.NativeSparseAttentionConfig(backend="tpu")
+
+
+def test_tpu_variant_paper_example_in_several_chunks(rng, monkeypatch):
+    """Compressed tiles of 4 keys and chunks of 3 selection blocks: every loop takes several steps,
+    and the last compressed key of each chunk (l/d = 2) carries its mass into the next chunk's
+    first block. 13 blocks, 5 selected, 3 of them forced: the scores decide the other two."""
+    text, spec = paper_example()
+
+    def small_steps(module):
+        monkeypatch.setattr(module, "CMP_KEYS", 4)
+        monkeypatch.setattr(module, "SCORED_BLOCKS", 3)
+
+    run_and_check(
+        rng, text, spec, batch=1, seq_len=200, heads_q=6, heads_kv=2, head_dim=24, patch=small_steps, config=TPU
+    )
+
+
+def test_tpu_variant_meanpool_on_packed_sequences_in_tpu_tiles(rng, monkeypatch):
+    """Sixteen query heads of one KV head on the TPU's (8, 128)-padded layouts (head dim 20 ->
+    128, groups -> 128 lanes); packed sequences, rows past the last in none."""
+    text, spec = meanpool_example()
+
+    def tpu_tiles(module):
+        monkeypatch.setattr(module, "TPU_TILES", True)
+        monkeypatch.setattr(module, "SCORED_BLOCKS", 2)
+
+    run_and_check(
+        rng,
+        text,
+        spec,
+        batch=1,
+        seq_len=100,
+        heads_q=16,
+        heads_kv=1,
+        head_dim=20,
+        cu_seqlens=[0, 15, 70, 90],
+        patch=tpu_tiles,
+        config=TPU,
+    )
+
+
+def test_tpu_variant_per_block_of_queries_with_learned_pooling_float16(rng, monkeypatch):
+    text = (
+        "pattern p\nblock 16\n"
+        "branch cmp = compress(block=16, stride=8, pool=learned) gate g_cmp\n"
+        "branch slc = topk(3, block=16, score=cmp, force=global(first=1)) per block(8) gate g_slc\n"
+    )
+    weights = rng.uniform(0.0, 0.3, 16)
+    spec = NsaSpec(
+        compress_block=16,
+        compress_stride=8,
+        select_count=3,
+        select_block=16,
+        query_block=8,
+        forced=lambda qb, kb: kb < 1,
+        pool_weights=tuple(weights),
+    )
+
+    def weighted(k_blocks, v_blocks):
+        w = jnp.asarray(weights, jnp.float32)
+        return jnp.einsum("cjhd,j->chd", k_blocks, w), jnp.einsum("cjhd,j->chd", v_blocks, w)
+
+    run_and_check(
+        rng,
+        text,
+        spec,
+        batch=2,
+        seq_len=75,
+        heads_q=2,
+        heads_kv=2,
+        head_dim=16,
+        dtype=np.float16,
+        pool_fns={"cmp": weighted},
+        patch=lambda m: monkeypatch.setattr(m, "SCORED_BLOCKS", 2),
+        config=TPU,
+    )
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_tpu_variant_kernels_lower_for_a_tpu(monkeypatch, dtype):
+    """Lower (not run) forward and backward for a TPU from the CPU: compression (forward, dq, dk/dv),
+    top-k, selection and the window's kernels go through Pallas' Mosaic lowering on (8, 128) tiles."""
+    text, _ = paper_example()
+    attention = nsa_dsl.compile(text)
+    module = codegen.load_module("pallas", attention.plan, TPU)
+    monkeypatch.setattr(module, "TPU_TILES", True)
+    monkeypatch.setattr(module, "INTERPRET", False)
+    q, k = jax.ShapeDtypeStruct((1, 200, 6, 24), dtype), jax.ShapeDtypeStruct((1, 200, 2, 24), dtype)
+    gates = {g.name: jax.ShapeDtypeStruct((1, 200, 6), dtype) for g in attention.plan.gates}
+    options = {"tables": dispatch.branch_tables(attention.plan, 200), "cu_seqlens": None, "softmax_scale": 0.2}
+
+    def loss(q, k, v, gates):
+        return jnp.sum(module.attention(q, k, v, gates=gates, **options).astype(jnp.float32))
+
+    forward = {"compressed_forward", "topk_selection", "selection_forward", "static_forward"}
+    backward = {
+        "compressed_backward_dq",
+        "compressed_backward_dkdv",
+        "selection_backward_dq",
+        "selection_backward_dkdv",
+        "static_backward_dq",
+        "static_backward_dkdv",
+    }
+    for function, kernels in ((loss, forward), (jax.grad(loss, argnums=(0, 1, 2)), forward | backward)):
+        text = jax.jit(function).trace(q, k, k, gates).lower(lowering_platforms=("tpu",)).as_text()
+        assert set(re.findall(r'kernel_name = "(\w+)"', text)) == kernels

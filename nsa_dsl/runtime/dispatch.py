@@ -15,20 +15,11 @@ from ..config import NativeSparseAttentionConfig
 from ..plan import build_block_table
 from ..plan import plan as p
 from . import validate
-from .platform import device_kind, for_device, resolve_platform
+from .platform import for_device, resolve_platform
 
-# Branch kinds each platform's templates implement.
+# Branch kinds each platform's templates implement (Pallas: its GPU and its TPU variant alike).
 _EVERY_KIND = (p.StaticBranch, p.SelectBranch, p.CompressBranch, p.TopKBranch)
-# Branch kinds each platform's templates implement, on any device but those of _DEVICE_KERNELS.
 _KERNELS = {"xla": _EVERY_KIND, "triton": _EVERY_KIND, "pallas": _EVERY_KIND}
-# Pallas' TPU (Mosaic) variant has static and selection kernels only: its compression and top-k
-# kernels are GPU ones, which a TPU would run in the interpreter.
-_DEVICE_KERNELS = {("pallas", "tpu"): (p.StaticBranch, p.SelectBranch)}
-
-
-def branch_kinds(platform: str, config: NativeSparseAttentionConfig | None = None) -> tuple[type, ...]:
-    """The branch kinds `platform` has kernels for on the config's device (jax's by default)."""
-    return _DEVICE_KERNELS.get((platform, device_kind(config)), _KERNELS.get(platform, ()))
 
 
 # Platforms whose kernels take a shard of the queries against all keys (query_offset: context
@@ -36,10 +27,8 @@ def branch_kinds(platform: str, config: NativeSparseAttentionConfig | None = Non
 _QUERY_SHARD_PLATFORMS = ("xla",)
 
 
-def supports(
-    plan: p.Plan, platform: str, config: NativeSparseAttentionConfig | None = None, *, query_shard: bool = False
-) -> bool:
-    kernels = all(isinstance(branch, branch_kinds(platform, config)) for branch in plan.branches)
+def supports(plan: p.Plan, platform: str, *, query_shard: bool = False) -> bool:
+    kernels = all(isinstance(branch, _KERNELS.get(platform, ())) for branch in plan.branches)
     return kernels and (not query_shard or platform in _QUERY_SHARD_PLATFORMS)
 
 
@@ -50,7 +39,7 @@ def choose_platform(
     specialised available platform with kernels for every branch of the plan (XLA has all) and,
     for a `query_shard` (queries fewer than keys), for a shard of the queries."""
     platform = resolve_platform(
-        requested, config, runs=lambda name: supports(plan, name, config, query_shard=query_shard)
+        requested, config, runs=lambda name: supports(plan, name, query_shard=query_shard)
     )
     if query_shard and platform not in _QUERY_SHARD_PLATFORMS:
         raise NotImplementedError(
@@ -60,14 +49,13 @@ def choose_platform(
     return platform
 
 
-def check_supported(plan: p.Plan, platform: str, config: NativeSparseAttentionConfig | None = None) -> None:
-    """Raise NotImplementedError if `platform` has no kernel for one of the plan's branches (on
-    the config's device)."""
-    kinds = branch_kinds(platform, config)
+def check_supported(plan: p.Plan, platform: str) -> None:
+    """Raise NotImplementedError if `platform` has no kernel for one of the plan's branches."""
+    kinds = _KERNELS.get(platform, ())
     for branch in plan.branches:
         if not isinstance(branch, kinds):
             raise NotImplementedError(
-                f"the {platform} backend has no kernel for {type(branch).__name__} branches on {device_kind(config)} "
+                f"the {platform} backend has no kernel for {type(branch).__name__} branches "
                 f"(branch {branch.name!r} of pattern {plan.name!r})"
             )
 
@@ -106,7 +94,7 @@ def kernel(
     platform: str, plan: p.Plan, config: NativeSparseAttentionConfig | None, entry: str = "attention"
 ) -> Callable:
     """The generated module's jitted `entry` function for (platform, plan, config)."""
-    check_supported(plan, platform, config)
+    check_supported(plan, platform)
     use_compilation_cache()
     return jax.jit(getattr(codegen.load_module(platform, plan, for_device(config)), entry))
 
@@ -202,7 +190,7 @@ def entry(platform: str, plan: p.Plan, config, name: str, pool_fns: Mapping[str,
             raise ValueError(f"pool_fns[{branch!r}] must be a callable (k_blocks, v_blocks) -> (k_cmp, v_cmp)")
     if not given:
         return kernel(platform, plan, config, name)
-    check_supported(plan, platform, config)
+    check_supported(plan, platform)
     return functools.partial(getattr(codegen.load_module(platform, plan, for_device(config)), name), pool_fns=given)
 
 
