@@ -109,6 +109,12 @@ class Blocks(NamedTuple):
     def count(self) -> int:
         return self.first_row.shape[0]
 
+    def sequences(self) -> jax.Array:
+        """[num] int32: the sequence of each block (padding blocks: the last one)."""
+        ids = jnp.arange(self.count, dtype=jnp.int32)
+        seq = jnp.searchsorted(self.seq_first[1:], ids, side="right")
+        return jnp.clip(seq, 0, self.seq_first.shape[0] - 2).astype(jnp.int32)
+
 
 def sequence_blocks(offsets: jax.Array, total: int, block: int) -> Blocks:
     num_seqs = offsets.shape[0] - 1
@@ -214,6 +220,12 @@ class Compressed(NamedTuple):
     k: jax.Array
     v: jax.Array
     cmp_offsets: jax.Array  # [num_seqs + 1] int32
+
+
+def seen_compressed(pos, block: int, stride: int) -> jax.Array:
+    """How many compressed keys of compress(block, stride) a query at position `pos` of its
+    sequence sees: key i once complete, i * stride + block - 1 <= pos (none for pos < 0)."""
+    return jnp.where(pos >= block - 1, (pos - (block - 1)) // stride + 1, 0)
 
 
 def pool_compressed(k, v, offsets: jax.Array, block: int, stride: int, pool_fn=None, dtype=jnp.float32) -> Compressed:
