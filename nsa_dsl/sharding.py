@@ -19,7 +19,9 @@ Three ways to split the work, combinable, each an axis of the mesh (or a tuple o
   single-device ones. The gradient of the gather is a reduce-scatter, leaving each device the
   key/value gradients of its own rows. T / P must be a multiple of the pattern's block; packed
   sequences (cu_seqlens, global offsets, replicated) may straddle shard boundaries.
-  Memory: every device holds the whole sequence's keys and values of its heads.
+  Memory: every device holds the whole sequence's keys and values of its heads; with packed
+  sequences and a top-k `per block(Q)`, whose groups may straddle shards, also every query (for
+  the top-k scoring, which then runs for the whole sequence on every device).
 
 Data and head parallelism run on every platform; context parallelism needs kernels that take a
 shard of the queries (the XLA backend for now).
@@ -56,18 +58,27 @@ def attend_shard(plan: p.Plan, query, key, value, *, sequence_axis: AxisName = N
     and head sharding need no communication (or axis name) here."""
     if sequence_axis is None:
         return dispatch.attend(plan, query, key, value, **options)
-    key, value = (lax.all_gather(x, sequence_axis, axis=1, tiled=True) for x in (key, value))
-    offset = lax.axis_index(sequence_axis) * query.shape[1]
-    return dispatch.attend(plan, query, key, value, query_offset=offset, **options)
+    key, value, shard = _whole_sequence(plan, query, key, value, sequence_axis, options)
+    return dispatch.attend(plan, query, key, value, **shard, **options)
 
 
 def selections_shard(plan: p.Plan, query, key, value, *, sequence_axis: AxisName = None, **options):
     """`runtime.selections` on one shard, inside `jax.shard_map` (as attend_shard)."""
     if sequence_axis is None:
         return dispatch.selections(plan, query, key, value, **options)
+    key, value, shard = _whole_sequence(plan, query, key, value, sequence_axis, options)
+    return dispatch.selections(plan, query, key, value, **shard, **options)
+
+
+def _whole_sequence(plan: p.Plan, query, key, value, sequence_axis: AxisName, options: dict):
+    """What a query shard of the sequence axis attends with: the keys and values of every shard,
+    its first row, and, where a top-k group may straddle shards (per block(Q) on packed
+    sequences), every shard's queries to score from (without gradient: top-k is not differentiated)."""
     key, value = (lax.all_gather(x, sequence_axis, axis=1, tiled=True) for x in (key, value))
-    offset = lax.axis_index(sequence_axis) * query.shape[1]
-    return dispatch.selections(plan, query, key, value, query_offset=offset, **options)
+    shard = {"query_offset": lax.axis_index(sequence_axis) * query.shape[1]}
+    if dispatch.needs_scoring_query(plan, options.get("cu_seqlens")):
+        shard["scoring_query"] = lax.all_gather(lax.stop_gradient(query), sequence_axis, axis=1, tiled=True)
+    return key, value, shard
 
 
 def _names(axis: AxisName) -> tuple[str, ...]:

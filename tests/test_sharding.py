@@ -164,6 +164,36 @@ def test_nsa_context_parallel_packed_sequences_straddle_shards(rng):
     np.testing.assert_array_equal(layer.selections(q, k, v, cu_seqlens=cu)["slc"], chosen["slc"])
 
 
+def per_block_nsa() -> nsa_dsl.SparseAttention:
+    """Compression and top-2 of 16-token blocks per block(8) of queries, counted from each
+    sequence's start: with packed sequences a group may straddle two shards."""
+    return nsa_dsl.compile(
+        f"pattern per_block\nblock {BLOCK}\ncausal\nbranch cmp = compress(block=16, stride=8) gate g_cmp\n"
+        "branch slc = topk(2, block=16, score=cmp, force=local(1)) per block(8) gate g_slc\n"
+    )
+
+
+@in_worker
+def test_context_parallel_groups_of_queries_straddling_shards(rng):
+    """Sequences starting at odd rows: groups of 8 queries straddle the 16-row shards; each shard
+    scores them from every query (scoring_query) and keeps its own rows' selections."""
+    attention = per_block_nsa()
+    seq_len, heads_q, heads_kv, head_dim = 128, 4, 2, 16
+    cu = np.array([0, 13, 59, 101, 125], np.int32)
+    q, k, v = qkv(rng, 1, seq_len, heads_q, heads_kv, head_dim)
+    gates = {name: gate(rng, 1, seq_len, heads_q) for name in ("g_cmp", "g_slc")}
+    d_out = normal(rng, 1, seq_len, heads_q, head_dim)
+    single = forward_and_gradients(attention, q, k, v, gates, d_out, cu_seqlens=cu)
+    layer = attention.sharded(mesh(sp=8), sequence_axis="sp")
+    assert_same(forward_and_gradients(layer, q, k, v, gates, d_out, cu_seqlens=cu), single, "context, per block(8)")
+    chosen = attention.selections(q, k, v, cu_seqlens=cu)["slc"]
+    np.testing.assert_array_equal(layer.selections(q, k, v, cu_seqlens=cu)["slc"], chosen)
+    # Without every query a shard cannot score its straddling groups: refused, not approximated.
+    with pytest.raises(ValueError, match="scoring_query: topk branch 'slc'.*straddle two shards"):
+        attend(attention.plan, q[:, 16:32], k, v, gates={n: g[:, 16:32] for n, g in gates.items()}, cu_seqlens=cu,
+               query_offset=16)
+
+
 @in_worker
 def test_explicit_block_indices_heads_and_context(rng):
     """Explicit per-token selection (some entries negative, past the token or repeated) on packed
@@ -227,13 +257,7 @@ def test_sharding_errors(rng):
         attention.sharded(sequence_axis="sp")(q, k, v, **gates)
     with pytest.raises(NotImplementedError, match="context parallelism.*triton.*platform='xla' supports it"):
         attention.sharded(mesh(sp=2), sequence_axis="sp")(q, k, v, platform="triton", **gates)
-    per_block = nsa_dsl.compile(
-        f"pattern p\nblock {BLOCK}\nbranch cmp = compress(block=16, stride=8) gate g_cmp\n"
-        "branch slc = topk(2, block=16, score=cmp) per block(8) gate g_slc\n"
-    )
-    with pytest.raises(NotImplementedError, match="straddle two shards"):
-        per_block.sharded(mesh(sp=2), sequence_axis="sp")(q[:1], k[:1], v[:1], cu_seqlens=np.array([0, 30, 64]),
-                                                          g_cmp=gates["g_cmp"][:1])
+
 
 
 @in_worker

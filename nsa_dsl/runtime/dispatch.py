@@ -123,14 +123,15 @@ def selections(
     config=None,
     pool_fns: Mapping[str, Callable] | None = None,
     query_offset=None,
+    scoring_query=None,
 ):
     """{top-k branch name: [B, Tq, HKV, count] selected block ids (-1 unused)} of `plan`;
-    query_offset as for `attend`."""
+    query_offset and scoring_query as for `attend`."""
     if not any(isinstance(b, p.TopKBranch) for b in plan.branches):
         raise ValueError(f"pattern {plan.name!r} has no topk branch")
     query, key, value, shapes = validate.attention_inputs(query, key, value, query_shard=query_offset is not None)
     cu = validate.cu_seqlens(cu_seqlens, shapes)
-    shard = _query_shard(plan, query_offset, shapes, cu)
+    shard = _query_shard(plan, query, query_offset, scoring_query, shapes, cu)
     platform = choose_platform(plan, platform, config, query_shard=bool(shard))
     return entry(platform, plan, config, "selections", pool_fns)(
         query,
@@ -143,21 +144,32 @@ def selections(
     )
 
 
-def _query_shard(plan: p.Plan, query_offset, shapes: validate.Shapes, cu) -> dict:
-    """The kernel's query_offset argument: none unless the queries are fewer than the keys."""
+def needs_scoring_query(plan: p.Plan, cu_seqlens) -> bool:
+    """Whether a shard of the queries needs every query for its top-k: a per block(Q) group is
+    counted from its sequence's start, so with packed sequences it may straddle two shards."""
+    return cu_seqlens is not None and any(isinstance(b, p.TopKBranch) and b.query_block > 1 for b in plan.branches)
+
+
+def _query_shard(plan: p.Plan, query, query_offset, scoring_query, shapes: validate.Shapes, cu) -> dict:
+    """The kernel's query_offset and scoring_query arguments: none unless the queries are fewer
+    than the keys; scoring_query only where the top-k needs it."""
     if query_offset is None:
+        if scoring_query is not None:
+            raise ValueError("scoring_query is for a shard of the queries: pass query_offset too")
         return {}
     offset = validate.query_offset(query_offset, shapes, plan.block_size)
     if shapes.query_len == shapes.seq_len:
         return {}  # the offset is 0
-    grouped = [b.name for b in plan.branches if isinstance(b, p.TopKBranch) and b.query_block > 1]
-    if cu is not None and grouped:
-        raise NotImplementedError(
-            f"cu_seqlens with a shard of the queries: topk branch {grouped[0]!r} of pattern {plan.name!r} selects "
-            f"per block of queries counted from each sequence's start, and such a block may straddle two shards; "
-            f"select per token, or pack no sequences"
+    if not needs_scoring_query(plan, cu):
+        return {"query_offset": offset}
+    if scoring_query is None:
+        grouped = next(b.name for b in plan.branches if isinstance(b, p.TopKBranch) and b.query_block > 1)
+        raise ValueError(
+            f"scoring_query: topk branch {grouped!r} of pattern {plan.name!r} selects per block of queries counted "
+            f"from each sequence's start, and with cu_seqlens such a block may straddle two shards: pass every "
+            f"query of the sequence axis as scoring_query (ShardedAttention does)"
         )
-    return {"query_offset": offset}
+    return {"query_offset": offset, "scoring_query": validate.scoring_query(scoring_query, query, shapes)}
 
 
 def kernel_tables(platform: str, plan: p.Plan, config, seq_len: int) -> dict[str, tuple[np.ndarray, ...]]:
@@ -254,13 +266,16 @@ def attend(
     config: NativeSparseAttentionConfig | None = None,
     pool_fns: Mapping[str, Callable] | None = None,
     query_offset=None,
+    scoring_query=None,
 ):
     """Sparse attention of `plan` on [B, T, H, D] inputs; see the generated module's contract.
 
     With `query_offset` (an int or an integer scalar, may be traced) the queries [B, Tq, HQ, D]
     may be a shard of the sequence axis: rows [query_offset, query_offset + Tq) of the keys'
     (context parallelism); Tq and query_offset must then be multiples of the pattern's block.
-    Gates, block_indices and block_counts are the queries'; cu_seqlens are in key rows."""
+    Gates, block_indices and block_counts are the queries'; cu_seqlens are in key rows. A shard
+    of a plan that selects per block(Q) on packed sequences (needs_scoring_query) also needs
+    `scoring_query`, the queries of every row [B, T, HQ, D], which its top-k scores from."""
     given = inputs(
         plan,
         query,
@@ -273,7 +288,7 @@ def attend(
         block_counts=block_counts,
         query_shard=query_offset is not None,
     )
-    shard = _query_shard(plan, query_offset, given.shapes, given.cu_seqlens)
+    shard = _query_shard(plan, given.query, query_offset, scoring_query, given.shapes, given.cu_seqlens)
     platform = choose_platform(plan, platform, config, query_shard=bool(shard))
     return entry(platform, plan, config, "attention", pool_fns)(
         given.query,

@@ -116,6 +116,18 @@ def query_offset(value: object, shapes: Shapes, block: int) -> int | jax.Array:
     return offset
 
 
+def scoring_query(value: object, query: jax.Array, shapes: Shapes) -> jax.Array:
+    """The queries of every row of the keys' sequence axis, [batch, seq_len, num_q_heads, head_dim]
+    in query's dtype: a shard's top-k scores its per block(Q) groups from them."""
+    array = _array("scoring_query", value)
+    wanted = (shapes.batch, shapes.seq_len, shapes.heads_q, shapes.head_dim)
+    if array.shape != wanted:
+        raise ValueError(f"scoring_query must have shape {wanted} (every row of key's sequence axis), got {array.shape}")
+    if array.dtype != query.dtype:
+        raise ValueError(f"scoring_query must have query's dtype {query.dtype}, got {array.dtype}")
+    return array
+
+
 def gates(given: Mapping[str, object], declared: tuple[str, ...], pattern: str, shapes: Shapes) -> dict[str, jax.Array]:
     """The gates that were passed (None = not passed), each [batch, query rows, num_q_heads] float."""
     out = {}

@@ -104,6 +104,14 @@ class Frame(NamedTuple):
         first = jnp.minimum(first_rows // self.k_len, self.batch - 1) * self.k_len + self.offset
         return first, first + self.q_len
 
+    def whole(self) -> Frame:
+        """The frame of queries at every key row."""
+        return Frame(0, self.k_len, self.k_len, self.batch, self.block)
+
+    def own_rows(self, x):
+        """x [batch * k_len, ...] per key row -> [batch * q_len, ...] for this frame's queries."""
+        return x[self.key_rows()]
+
 
 def query_rows(cu_seqlens, frame):
     """layout.Rows of each query row: its sequence's start and end row and its position in it
