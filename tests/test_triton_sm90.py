@@ -25,12 +25,13 @@ BENCHMARK = {"batch": 1, "seq_len": 4096, "heads_q": 64, "heads_kv": 4, "head_di
 CASES = {
     # Full NSA (compression, top-k, selection, window) and explicit selection at the benchmark's shape.
     "benchmark shape, bfloat16": [{"pattern": "nsa.nsa", **BENCHMARK}, {"selection": True, **BENCHMARK}],
-    # Static patterns with fused and tabled launches; NSA in float32 (half the rows per tile); the
-    # widest float32 heads of explicit selection.
+    # Static patterns with fused and tabled launches; NSA in float32 (half the rows per tile) and
+    # without GQA; the widest float32 heads of explicit selection.
     "static patterns, float16 and float32": [
         {"pattern": "bigbird.nsa", **BENCHMARK, "head_dim": 64},
         {"pattern": "longformer.nsa", **BENCHMARK, "head_dim": 96, "dtype": "float16"},
         {"pattern": "nsa_meanpool.nsa", **BENCHMARK, "heads_q": 12, "head_dim": 100, "dtype": "float32"},
+        {"pattern": "nsa.nsa", **BENCHMARK, "heads_q": 4, "head_dim": 64},  # no GQA: a tile of 64 tokens
         {"selection": True, **BENCHMARK, "heads_q": 16, "heads_kv": 1, "head_dim": 256, "dtype": "float32"},
     ],
 }
