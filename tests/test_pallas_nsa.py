@@ -151,29 +151,29 @@ def test_meanpool_example_on_packed_sequences_in_gpu_tile_layouts(rng, monkeypat
     )  # rows past 150 belong to no sequence
 
 
-def test_selection_per_block_of_queries_with_learned_pooling_float16(rng):
-    """Forward only: per block(Q) and the pooling function change what the top-k kernel scores
-    and the compression kernels read, not their gradients' kernels (tested above)."""
+def per_block_learned_example(rng):
+    """Top-3 of 16-token blocks per block(8) of queries, scored by a compression with learned
+    pooling (a weighted sum of each block's 16 tokens, fresh weights): text, spec, pool function."""
     text = (
         "pattern p\nblock 16\n"
         "branch cmp = compress(block=16, stride=8, pool=learned) gate g_cmp\n"
         "branch slc = topk(3, block=16, score=cmp, force=global(first=1)) per block(8) gate g_slc\n"
     )
     weights = rng.uniform(0.0, 0.3, 16)
-    spec = NsaSpec(
-        compress_block=16,
-        compress_stride=8,
-        select_count=3,
-        select_block=16,
-        query_block=8,
-        forced=lambda qb, kb: kb < 1,
-        pool_weights=tuple(weights),
-    )
+    spec = NsaSpec(compress_block=16, compress_stride=8, select_count=3, select_block=16, query_block=8,
+                   forced=lambda qb, kb: kb < 1, pool_weights=tuple(weights))
 
     def weighted(k_blocks, v_blocks):
         w = jnp.asarray(weights, jnp.float32)
         return jnp.einsum("cjhd,j->chd", k_blocks, w), jnp.einsum("cjhd,j->chd", v_blocks, w)
 
+    return text, spec, weighted
+
+
+def test_selection_per_block_of_queries_with_learned_pooling_float16(rng):
+    """Forward only: per block(Q) and the pooling function change what the top-k kernel scores
+    and the compression kernels read, not their gradients' kernels (tested above)."""
+    text, spec, weighted = per_block_learned_example(rng)
     run_and_check(
         rng,
         text,
@@ -258,26 +258,7 @@ def test_tpu_variant_meanpool_on_packed_sequences_in_tpu_tiles(rng, monkeypatch)
 
 
 def test_tpu_variant_per_block_of_queries_with_learned_pooling_float16(rng, monkeypatch):
-    text = (
-        "pattern p\nblock 16\n"
-        "branch cmp = compress(block=16, stride=8, pool=learned) gate g_cmp\n"
-        "branch slc = topk(3, block=16, score=cmp, force=global(first=1)) per block(8) gate g_slc\n"
-    )
-    weights = rng.uniform(0.0, 0.3, 16)
-    spec = NsaSpec(
-        compress_block=16,
-        compress_stride=8,
-        select_count=3,
-        select_block=16,
-        query_block=8,
-        forced=lambda qb, kb: kb < 1,
-        pool_weights=tuple(weights),
-    )
-
-    def weighted(k_blocks, v_blocks):
-        w = jnp.asarray(weights, jnp.float32)
-        return jnp.einsum("cjhd,j->chd", k_blocks, w), jnp.einsum("cjhd,j->chd", v_blocks, w)
-
+    text, spec, weighted = per_block_learned_example(rng)
     run_and_check(
         rng,
         text,
