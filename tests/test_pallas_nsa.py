@@ -151,9 +151,10 @@ def test_meanpool_example_on_packed_sequences_in_gpu_tile_layouts(rng, monkeypat
     )  # rows past 150 belong to no sequence
 
 
-def per_block_learned_example(rng):
-    """Top-3 of 16-token blocks per block(8) of queries, scored by a compression with learned
-    pooling (a weighted sum of each block's 16 tokens, fresh weights): text, spec, pool function."""
+def check_per_block_learned(rng, **options):
+    """run_and_check (with `options`) of top-3 of 16-token blocks per block(8) of queries, scored
+    by a compression with learned pooling (a weighted sum of each block's 16 tokens, fresh
+    weights), two batch rows of 75 tokens, float16."""
     text = (
         "pattern p\nblock 16\n"
         "branch cmp = compress(block=16, stride=8, pool=learned) gate g_cmp\n"
@@ -167,26 +168,14 @@ def per_block_learned_example(rng):
         w = jnp.asarray(weights, jnp.float32)
         return jnp.einsum("cjhd,j->chd", k_blocks, w), jnp.einsum("cjhd,j->chd", v_blocks, w)
 
-    return text, spec, weighted
+    run_and_check(rng, text, spec, batch=2, seq_len=75, heads_q=2, heads_kv=2, head_dim=16, dtype=np.float16,
+                  pool_fns={"cmp": weighted}, **options)
 
 
 def test_selection_per_block_of_queries_with_learned_pooling_float16(rng):
     """Forward only: per block(Q) and the pooling function change what the top-k kernel scores
     and the compression kernels read, not their gradients' kernels (tested above)."""
-    text, spec, weighted = per_block_learned_example(rng)
-    run_and_check(
-        rng,
-        text,
-        spec,
-        batch=2,
-        seq_len=75,
-        heads_q=2,
-        heads_kv=2,
-        head_dim=16,
-        dtype=np.float16,
-        pool_fns={"cmp": weighted},
-        gradients=False,
-    )
+    check_per_block_learned(rng, gradients=False)
 
 
 def test_kernels_lower_to_triton_for_a_gpu(rng, monkeypatch):
@@ -258,21 +247,7 @@ def test_tpu_variant_meanpool_on_packed_sequences_in_tpu_tiles(rng, monkeypatch)
 
 
 def test_tpu_variant_per_block_of_queries_with_learned_pooling_float16(rng, monkeypatch):
-    text, spec, weighted = per_block_learned_example(rng)
-    run_and_check(
-        rng,
-        text,
-        spec,
-        batch=2,
-        seq_len=75,
-        heads_q=2,
-        heads_kv=2,
-        head_dim=16,
-        dtype=np.float16,
-        pool_fns={"cmp": weighted},
-        patch=lambda m: monkeypatch.setattr(m, "SCORED_BLOCKS", 2),
-        config=TPU,
-    )
+    check_per_block_learned(rng, patch=lambda m: monkeypatch.setattr(m, "SCORED_BLOCKS", 2), config=TPU)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
