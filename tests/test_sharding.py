@@ -15,6 +15,7 @@ other test runs there and is skipped here. benchmarks/bench_sharded.py checks re
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import subprocess
@@ -82,12 +83,12 @@ SELECTION = p.Plan(name="selection", block_size=BLOCK, causal=True, params=(),
                    branches=(p.SelectBranch(name="slc", gate=model.Gate("g_slc", 1.0), block=BLOCK),))
 
 
-def one_device(plan: p.Plan):
+def one_device(plan: p.Plan, platform: str | None = None):
     """The plan's attention without a mesh, called like a ShardedAttention."""
 
     def call(query, key, value, *, cu_seqlens=None, softmax_scale=None, block_indices=None, block_counts=None, **gates):
         return attend(plan, query, key, value, gates=gates, cu_seqlens=cu_seqlens, softmax_scale=softmax_scale,
-                      block_indices=block_indices, block_counts=block_counts)
+                      block_indices=block_indices, block_counts=block_counts, platform=platform)
 
     return call
 
@@ -255,8 +256,8 @@ def test_sharding_errors(rng):
         attention.sharded(mesh(sp=2), batch_axis="sp", sequence_axis="sp")
     with pytest.raises(ValueError, match="mesh: pass a jax.sharding.Mesh"):
         attention.sharded(sequence_axis="sp")(q, k, v, **gates)
-    with pytest.raises(NotImplementedError, match="context parallelism.*triton.*platform='xla' supports it"):
-        attention.sharded(mesh(sp=2), sequence_axis="sp")(q, k, v, platform="triton", **gates)
+    with pytest.raises(NotImplementedError, match="context parallelism.*pallas backend; platforms 'xla', 'triton' support it"):
+        attention.sharded(mesh(sp=2), sequence_axis="sp")(q, k, v, platform="pallas", **gates)
 
 
 
@@ -285,6 +286,21 @@ def test_data_and_head_parallel_on_the_interpreted_kernels(rng, platform):
     assert_close(out, expected, SHARDED_TOLERANCE, platform)
     for name, actual, want in zip(("q", "k", "v", "g_slc", "softmax_scale"), grads, expected_grads):
         assert_close(actual, want, GRADIENT_TOLERANCE, f"{platform} d{name}")
+
+
+@in_worker
+def test_context_parallel_on_the_interpreted_triton_kernels(rng):
+    """The Triton kernels take a shard of the queries (query_first): NSA over a (data x sequence)
+    mesh, packed sequences straddling the shards, gives the single-device output and gradients."""
+    attention, _ = scaled_nsa()
+    seq_len, heads_q, heads_kv, head_dim = 64, 4, 2, 16
+    q, k, v = qkv(rng, 1, seq_len, heads_q, heads_kv, head_dim)
+    gates, d_out = nsa_gates(rng, 1, seq_len, heads_q), normal(rng, *q.shape)
+    cu = np.array([0, 23, 58], np.int32)  # sequence 0 ends in shard 1 of 4, sequence 1 ends before the last row
+    layer = attention.sharded(mesh(sp=4), sequence_axis="sp")
+    sharded = forward_and_gradients(functools.partial(layer, platform="triton"), q, k, v, gates, d_out, cu_seqlens=cu)
+    single = forward_and_gradients(one_device(attention.plan, "triton"), q, k, v, gates, d_out, cu_seqlens=cu)
+    assert_same(sharded, single, "triton, sequence axis over 4 devices")
 
 
 @in_worker
@@ -424,5 +440,5 @@ def test_query_offset_is_validated(rng):
         attend(attention.plan, q, k[:, :32], v[:, :32], gates={"g_swa": g}, query_offset=0)
     with pytest.raises(ValueError, match=r"key must be \[batch=1, seq_len=32,"):
         attend(attention.plan, q[:, :32], k, v, gates={"g_swa": g[:, :32]})  # fewer queries only with query_offset
-    with pytest.raises(NotImplementedError, match="triton backend yet; platform='xla' supports it"):
-        call(q[:, :32], 16, platform="triton")
+    with pytest.raises(NotImplementedError, match="pallas backend; platforms 'xla', 'triton' support it"):
+        call(q[:, :32], 16, platform="pallas")

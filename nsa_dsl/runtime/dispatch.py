@@ -24,7 +24,7 @@ _KERNELS = {"xla": _EVERY_KIND, "triton": _EVERY_KIND, "pallas": _EVERY_KIND}
 
 # Platforms whose kernels take a shard of the queries against all keys (query_offset: context
 # parallelism).
-_QUERY_SHARD_PLATFORMS = ("xla",)
+_QUERY_SHARD_PLATFORMS = ("xla", "triton")
 
 
 def supports(plan: p.Plan, platform: str, *, query_shard: bool = False) -> bool:
@@ -44,7 +44,7 @@ def choose_platform(
     if query_shard and platform not in _QUERY_SHARD_PLATFORMS:
         raise NotImplementedError(
             f"context parallelism (a shard of the queries against all keys, query_offset) is not implemented "
-            f"by the {platform} backend yet; platform={_QUERY_SHARD_PLATFORMS[0]!r} supports it"
+            f"by the {platform} backend; platforms {', '.join(map(repr, _QUERY_SHARD_PLATFORMS))} support it"
         )
     return platform
 

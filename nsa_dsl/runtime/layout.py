@@ -95,15 +95,40 @@ def rows(offsets: jax.Array, total: int) -> Rows:
     return Rows(start, offsets[seq + 1], jnp.where(inside, row - start, -1), seq)
 
 
+class QueryRows(NamedTuple):
+    """The key rows a call's queries are: [first, first + count). All of them, unless the queries
+    are one shard of the sequence axis (context parallelism): then query row i is key row
+    first + i (one batch row; `first` may be traced)."""
+
+    first: jax.Array | int
+    count: int
+
+    @staticmethod
+    def every(total: int) -> QueryRows:
+        return QueryRows(0, total)
+
+    def own(self, x):
+        """x (arrays, or a tuple of them) [N, ...] per key row -> [count, ...] for the query rows."""
+        first = jnp.asarray(self.first, jnp.int32)
+        return jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, first, self.count), x)
+
+    def first_array(self) -> jax.Array:
+        """`first` as the int32 [1] array the kernels read."""
+        return jnp.asarray(self.first, jnp.int32).reshape(1)
+
+
 class Blocks(NamedTuple):
     """The blocks of all sequences, sequence by sequence, padded to a static count: the key
-    blocks of the backward kernels and the query tiles of static branches."""
+    blocks of the backward kernels and the query tiles of static branches. Blocks count from
+    their sequence's first row; taken for a shard of the queries (QueryRows), only those holding
+    one of its rows, each clipped to them."""
 
     first_row: jax.Array  # [num] int32; padding blocks have first_row == end_row (empty)
     end_row: jax.Array  # [num] int32, <= first_row + block
     seq_start: jax.Array  # [num] int32, first row of the block's sequence
     seq_end: jax.Array  # [num] int32, end row of the block's sequence
     seq_first: jax.Array  # [num_seqs + 1] int32: id of each sequence's first block
+    seq_first_block: jax.Array  # [num_seqs] int32: that block's number in its sequence
 
     @property
     def count(self) -> int:
@@ -115,20 +140,42 @@ class Blocks(NamedTuple):
         seq = jnp.searchsorted(self.seq_first[1:], ids, side="right")
         return jnp.clip(seq, 0, self.seq_first.shape[0] - 2).astype(jnp.int32)
 
+    def block_id(self, seq, block_number):
+        """The id of block `block_number` (counted from its sequence's start) of sequence `seq`."""
+        return self.seq_first[seq] + block_number - self.seq_first_block[seq]
 
-def sequence_blocks(offsets: jax.Array, total: int, block: int) -> Blocks:
+
+def sequence_blocks(offsets: jax.Array, total: int, block: int, queries: QueryRows | None = None) -> Blocks:
+    """The blocks of `block` rows of the sequences in rows [0, total); with `queries`, those
+    holding a query row, clipped to the query rows. Padding blocks are empty at the queries'
+    first row (whose sequence starts there), so that a kernel clamping into one reads a row
+    that exists."""
     num_seqs = offsets.shape[0] - 1
-    lengths = jnp.maximum(offsets[1:] - offsets[:-1], 0)
-    seq_first = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(-(-lengths // block)).astype(jnp.int32)])
-    count = max((total + num_seqs * (block - 1)) // block, 1)  # >= sum of ceil(length / block)
+    starts = offsets[:-1]
+    ends = jnp.maximum(offsets[1:], starts)
+    if queries is None:
+        low, high = 0, total
+        count = max((total + num_seqs * (block - 1)) // block, 1)  # >= sum of ceil(length / block)
+    else:
+        low, high = queries.first, queries.first + queries.count
+        # A sequence's part within the queries, unaligned at both ends, spans at most
+        # (length + 2 * block - 2) // block blocks.
+        count = max((queries.count + num_seqs * (2 * block - 2)) // block, 1)
+    part_low, part_high = jnp.clip(starts, low, high), jnp.clip(ends, low, high)
+    first_block = (part_low - starts) // block
+    end_block = jnp.where(part_high > part_low, -(-(part_high - starts) // block), first_block)
+    seq_first = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(end_block - first_block).astype(jnp.int32)])
     ids = jnp.arange(count, dtype=jnp.int32)
     seq = jnp.clip(jnp.searchsorted(seq_first[1:], ids, side="right"), 0, num_seqs - 1)
     used = ids < seq_first[-1]
-    start = jnp.where(used, offsets[seq], 0)
-    end = jnp.where(used, offsets[seq + 1], 0)
-    first = jnp.where(used, start + (ids - seq_first[seq]) * block, 0)
-    first, end_row, start, end = (x.astype(jnp.int32) for x in (first, jnp.minimum(first + block, end), start, end))
-    return Blocks(first, end_row, start, end, seq_first)
+    block_first = starts[seq] + (first_block[seq] + ids - seq_first[seq]) * block
+    padding = jnp.asarray(low, jnp.int32)
+    first = jnp.where(used, jnp.maximum(block_first, part_low[seq]), padding)
+    end_row = jnp.where(used, jnp.minimum(block_first + block, part_high[seq]), padding)
+    start = jnp.where(used, starts[seq], padding)
+    end = jnp.where(used, ends[seq], padding)
+    first, end_row, start, end = (x.astype(jnp.int32) for x in (first, end_row, start, end))
+    return Blocks(first, end_row, start, end, seq_first, first_block.astype(jnp.int32))
 
 
 def clean_selection(block_indices, block_counts, row_info: Rows, block: int) -> jax.Array:
@@ -161,7 +208,7 @@ def selection_by_key_block(selected: jax.Array, row_info: Rows, blocks: Blocks) 
     block's range by binary search. Deterministic: no atomics, rows stay in ascending order."""
     total, heads_kv, entries = selected.shape
     absent = blocks.count  # sorts after every real block
-    block_id = jnp.where(selected >= 0, blocks.seq_first[row_info.seq][:, None, None] + selected, absent)
+    block_id = jnp.where(selected >= 0, blocks.block_id(row_info.seq[:, None, None], selected), absent)
     keys = block_id.transpose(1, 0, 2).reshape(heads_kv, total * entries)
     tokens = jnp.broadcast_to(jnp.repeat(jnp.arange(total, dtype=jnp.int32), entries), keys.shape)
     keys, tokens = lax.sort((keys, tokens), dimension=1, is_stable=True, num_keys=1)
