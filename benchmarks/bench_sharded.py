@@ -14,7 +14,7 @@ forward+backward (gradients of q, k, v and the gates) on the first n devices for
   data     the batch split n ways (batch % n == 0)
   head     KV heads with their query heads split n ways (heads_kv % n == 0)
   context  the sequence split n ways: keys/values all-gathered, queries at their absolute rows
-           (seq_len % (n * 64) == 0); runs on the XLA backend (the one that takes a query shard)
+           (seq_len % (n * 64) == 0); the automatic platform is one that takes a query shard (Triton on a GPU)
 Inputs are placed on the mesh as the layer partitions them before timing, so a step moves no
 inputs. Each kind's efficiency at n devices is t(1 device) / (n * t(n devices)), t(1 device)
 being the unsharded call on the same platform. Times are benchmarks/timing.py's medians.

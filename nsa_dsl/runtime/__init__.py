@@ -1,6 +1,16 @@
 """The runtime: platform detection, input validation, host tables, dispatch to generated kernels."""
 
-from .dispatch import attend, block_table, branch_tables, check_supported, choose_platform, kernel, selections, supports
+from .dispatch import (
+    attend,
+    block_table,
+    branch_tables,
+    check_supported,
+    choose_platform,
+    kernel,
+    needs_scoring_query,
+    selections,
+    supports,
+)
 from .platform import available_platforms, resolve_platform
 
 __all__ = [
@@ -11,6 +21,7 @@ __all__ = [
     "check_supported",
     "choose_platform",
     "kernel",
+    "needs_scoring_query",
     "resolve_platform",
     "selections",
     "supports",

@@ -275,7 +275,9 @@ def attend(
     (context parallelism); Tq and query_offset must then be multiples of the pattern's block.
     Gates, block_indices and block_counts are the queries'; cu_seqlens are in key rows. A shard
     of a plan that selects per block(Q) on packed sequences (needs_scoring_query) also needs
-    `scoring_query`, the queries of every row [B, T, HQ, D], which its top-k scores from."""
+    `scoring_query`, the queries of every row [B, T, HQ, D], which its top-k scores from.
+    Gradients of a shard's call are its share: dk, dv and the softmax scale's are sums over the
+    shards' calls (ShardedAttention adds them over the mesh)."""
     given = inputs(
         plan,
         query,
