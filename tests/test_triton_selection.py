@@ -7,6 +7,7 @@ interpreter runs one program at a time in Python, so shapes are small."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
