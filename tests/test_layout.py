@@ -5,6 +5,7 @@ selections and the selection transposed into per-key-block lists."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from nsa_dsl.runtime import layout
 
@@ -63,7 +64,10 @@ def test_clean_selection_keeps_exactly_the_entries_that_count(rng):
                 assert cleaned[row, h, e] == (block if keep else -1), (row, h, e)
 
 
-def test_pair_lists_are_the_selection_transposed(rng):
+@pytest.mark.parametrize("one_key", [True, False], ids=["one int32 key", "key and row pairs"])
+def test_pair_lists_are_the_selection_transposed(rng, monkeypatch, one_key):
+    """Both sorts: one int32 key per pair, and (key, row) pairs where that key would not fit."""
+    monkeypatch.setattr(layout, "ONE_KEY_LIMIT", layout.ONE_KEY_LIMIT if one_key else 0)
     heads_kv, width = 3, 4
     offsets = layout.sequence_offsets(np.array(CU_SEQLENS), 1, TOTAL)
     rows = layout.rows(offsets, TOTAL)

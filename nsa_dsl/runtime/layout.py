@@ -202,20 +202,28 @@ class PairLists(NamedTuple):
     offsets: jax.Array  # [HKV, num key blocks + 1] int32
 
 
+# Pair lists sort one int32 key per (row, entry) pair where (HKV * (key blocks + 1) * N) fits:
+# a radix sort of one key on a GPU takes a fraction of a (key, row) pair sort's time.
+ONE_KEY_LIMIT = 2**31
+
+
 def selection_by_key_block(selected: jax.Array, row_info: Rows, blocks: Blocks) -> PairLists:
     """Transpose cleaned selections [N, HKV, S] (clean_selection) into pair lists, on device:
-    number every (row, entry) pair by its key block, stable-sort by that number, and find each
-    block's range by binary search. Deterministic: no atomics, rows stay in ascending order."""
+    number every (row, entry) pair by its (KV head, key block) list, sort, and find each list's
+    range by binary search. Deterministic: no atomics, rows stay in ascending order."""
     total, heads_kv, entries = selected.shape
-    absent = blocks.count  # sorts after every real block
-    block_id = jnp.where(selected >= 0, blocks.block_id(row_info.seq[:, None, None], selected), absent)
-    keys = block_id.transpose(1, 0, 2).reshape(heads_kv, total * entries)
-    tokens = jnp.broadcast_to(jnp.repeat(jnp.arange(total, dtype=jnp.int32), entries), keys.shape)
-    keys, tokens = lax.sort((keys, tokens), dimension=1, is_stable=True, num_keys=1)
-    bounds = jnp.arange(blocks.count + 1, dtype=keys.dtype)
-    offsets = jax.vmap(lambda k: jnp.searchsorted(k, bounds, side="left"))(keys).astype(jnp.int32)
-    offsets = offsets + (jnp.arange(heads_kv, dtype=jnp.int32) * (total * entries))[:, None]
-    return PairLists(tokens.reshape(-1), offsets)
+    lists_per_head = blocks.count + 1  # the last: entries naming no block, sorted after every real one
+    block_id = jnp.where(selected >= 0, blocks.block_id(row_info.seq[:, None, None], selected), blocks.count)
+    list_id = (jnp.arange(heads_kv, dtype=jnp.int32)[None, :, None] * lists_per_head + block_id).transpose(1, 0, 2)
+    bounds = jnp.arange(heads_kv * lists_per_head, dtype=jnp.int32).reshape(heads_kv, lists_per_head)
+    if heads_kv * lists_per_head * total <= ONE_KEY_LIMIT:
+        # key = list * N + row: sorted, lists in order and each list's rows ascending.
+        keys = lax.sort((list_id * total + jnp.arange(total, dtype=jnp.int32)[None, :, None]).reshape(-1))
+        return PairLists(keys % total, jnp.searchsorted(keys, bounds * total, side="left").astype(jnp.int32))
+    keys = list_id.reshape(-1)
+    tokens = jnp.broadcast_to(jnp.arange(total, dtype=jnp.int32)[None, :, None], list_id.shape).reshape(-1)
+    keys, tokens = lax.sort((keys, tokens), is_stable=True, num_keys=1)
+    return PairLists(tokens, jnp.searchsorted(keys, bounds, side="left").astype(jnp.int32))
 
 
 class TransposedTable(NamedTuple):
