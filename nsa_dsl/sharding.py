@@ -24,7 +24,8 @@ Three ways to split the work, combinable, each an axis of the mesh (or a tuple o
   the top-k scoring, which then runs for the whole sequence on every device).
 
 Data and head parallelism run on every platform; context parallelism needs kernels that take a
-shard of the queries (the XLA backend for now).
+shard of the queries: XLA, Triton and Pallas' GPU variant (not its TPU variant, where the
+automatic platform is XLA for a sharded sequence).
 """
 
 from __future__ import annotations

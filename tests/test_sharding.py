@@ -15,6 +15,7 @@ other test runs there and is skipped here. benchmarks/bench_sharded.py checks re
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import re
@@ -47,6 +48,7 @@ SHARDED_TOLERANCE = 1e-5
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 BLOCK = 16
+TPU = nsa_dsl.NativeSparseAttentionConfig(block_size=BLOCK, backend="tpu")  # kernels generated for a TPU
 
 
 @pytest.mark.skipif(IN_WORKER, reason="the launcher itself")
@@ -256,8 +258,9 @@ def test_sharding_errors(rng):
         attention.sharded(mesh(sp=2), batch_axis="sp", sequence_axis="sp")
     with pytest.raises(ValueError, match="mesh: pass a jax.sharding.Mesh"):
         attention.sharded(sequence_axis="sp")(q, k, v, **gates)
-    with pytest.raises(NotImplementedError, match="context parallelism.*pallas backend; platforms 'xla', 'triton' support it"):
-        attention.sharded(mesh(sp=2), sequence_axis="sp")(q, k, v, platform="pallas", **gates)
+    on_tpu = dataclasses.replace(attention.sharded(mesh(sp=2), sequence_axis="sp"), config=TPU)
+    with pytest.raises(NotImplementedError, match="context parallelism.*pallas backend on TPU; here 'xla' supports it"):
+        on_tpu(q, k, v, platform="pallas", **gates)
 
 
 
@@ -289,18 +292,20 @@ def test_data_and_head_parallel_on_the_interpreted_kernels(rng, platform):
 
 
 @in_worker
-def test_context_parallel_on_the_interpreted_triton_kernels(rng):
-    """The Triton kernels take a shard of the queries (query_first): NSA over a (data x sequence)
-    mesh, packed sequences straddling the shards, gives the single-device output and gradients."""
+@pytest.mark.parametrize("platform", ["triton", "pallas"])
+def test_context_parallel_on_the_interpreted_kernels(rng, platform):
+    """The Triton and Pallas (GPU variant) kernels take a shard of the queries: NSA with its
+    sequence axis over 4 devices, packed sequences straddling the shards, gives the single-device
+    output and gradients on the same platform."""
     attention, _ = scaled_nsa()
     seq_len, heads_q, heads_kv, head_dim = 64, 4, 2, 16
     q, k, v = qkv(rng, 1, seq_len, heads_q, heads_kv, head_dim)
     gates, d_out = nsa_gates(rng, 1, seq_len, heads_q), normal(rng, *q.shape)
     cu = np.array([0, 23, 58], np.int32)  # sequence 0 ends in shard 1 of 4, sequence 1 ends before the last row
     layer = attention.sharded(mesh(sp=4), sequence_axis="sp")
-    sharded = forward_and_gradients(functools.partial(layer, platform="triton"), q, k, v, gates, d_out, cu_seqlens=cu)
-    single = forward_and_gradients(one_device(attention.plan, "triton"), q, k, v, gates, d_out, cu_seqlens=cu)
-    assert_same(sharded, single, "triton, sequence axis over 4 devices")
+    sharded = forward_and_gradients(functools.partial(layer, platform=platform), q, k, v, gates, d_out, cu_seqlens=cu)
+    single = forward_and_gradients(one_device(attention.plan, platform), q, k, v, gates, d_out, cu_seqlens=cu)
+    assert_same(sharded, single, f"{platform}, sequence axis over 4 devices")
 
 
 @in_worker
@@ -440,5 +445,5 @@ def test_query_offset_is_validated(rng):
         attend(attention.plan, q, k[:, :32], v[:, :32], gates={"g_swa": g}, query_offset=0)
     with pytest.raises(ValueError, match=r"key must be \[batch=1, seq_len=32,"):
         attend(attention.plan, q[:, :32], k, v, gates={"g_swa": g[:, :32]})  # fewer queries only with query_offset
-    with pytest.raises(NotImplementedError, match="pallas backend; platforms 'xla', 'triton' support it"):
-        call(q[:, :32], 16, platform="pallas")
+    with pytest.raises(NotImplementedError, match="pallas backend on TPU; here 'xla' supports it"):
+        call(q[:, :32], 16, platform="pallas", config=TPU)

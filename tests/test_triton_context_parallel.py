@@ -144,10 +144,10 @@ def static_reference(plan: p.Plan, q, k, v, gates: dict, cu_seqlens=None):
     return expected, mask_gradients(q, k, v, masks, branch_gates, [b.gate.name for b in branches], scale)
 
 
-def static_attention(plan: p.Plan, cu_seqlens=None, config=None):
+def static_attention(plan: p.Plan, cu_seqlens=None, config=None, platform=PLATFORM):
     def attention(q_rows, k, v, gate_rows, scale, offset):
         return attend(plan, q_rows, k, v, gates=gate_rows, cu_seqlens=cu_seqlens, softmax_scale=scale,
-                      query_offset=offset, platform=PLATFORM, config=config)
+                      query_offset=offset, platform=platform, config=config)
 
     return attention
 
@@ -161,7 +161,8 @@ def assert_scores_like_the_reference(chosen, ref_chosen, scores, what: str) -> N
     np.testing.assert_allclose(got[finite], want[finite], rtol=1e-4, atol=1e-6, err_msg=what)
 
 
-def check_nsa_shards(rng, source: str, spec: NsaSpec, q, k, v, gates: dict, cu_seqlens, rows: list[slice], config=None):
+def check_nsa_shards(rng, source: str, spec: NsaSpec, q, k, v, gates: dict, cu_seqlens, rows: list[slice], config=None,
+                     platform=PLATFORM):
     """Each shard's top-k selections (from a jitted `selections` with a traced offset) against
     the paper reference's scores; then outputs and gradients of every shard against the
     reference for the shards' selections (check_every_shard)."""
@@ -171,7 +172,7 @@ def check_nsa_shards(rng, source: str, spec: NsaSpec, q, k, v, gates: dict, cu_s
     references = {name[2:]: value for name, value in gates.items()}  # g_cmp -> cmp
 
     choose = jax.jit(lambda q_rows, offset: selections(plan, q_rows, k, v, cu_seqlens=cu_seqlens, query_offset=offset,
-                                                      platform=PLATFORM, config=config, **scoring)[topk])
+                                                      platform=platform, config=config, **scoring)[topk])
     _, _, ref_chosen, scores = nsa_reference(q, k, v, spec, gates=references, cu_seqlens=cu_seqlens)
     chosen = np.empty_like(ref_chosen)
     for shard in rows:
@@ -186,7 +187,7 @@ def check_nsa_shards(rng, source: str, spec: NsaSpec, q, k, v, gates: dict, cu_s
 
     def attention(q_rows, k, v, gate_rows, scale, offset):
         return attend(plan, q_rows, k, v, gates=gate_rows, cu_seqlens=cu_seqlens, query_offset=offset,
-                      platform=PLATFORM, config=config, **scoring)
+                      platform=platform, config=config, **scoring)
 
     return check_every_shard(rng, attention, q, k, v, gates, rows, expected, gradients)
 

@@ -15,7 +15,7 @@ from ..config import NativeSparseAttentionConfig
 from ..plan import build_block_table
 from ..plan import plan as p
 from . import validate
-from .platform import for_device, resolve_platform
+from .platform import available_platforms, for_device, resolve_platform
 
 # Branch kinds each platform's templates implement (Pallas: its GPU and its TPU variant alike).
 _EVERY_KIND = (p.StaticBranch, p.SelectBranch, p.CompressBranch, p.TopKBranch)
@@ -23,13 +23,18 @@ _KERNELS = {"xla": _EVERY_KIND, "triton": _EVERY_KIND, "pallas": _EVERY_KIND}
 
 
 # Platforms whose kernels take a shard of the queries against all keys (query_offset: context
-# parallelism).
-_QUERY_SHARD_PLATFORMS = ("xla", "triton")
+# parallelism): Pallas' GPU variant does, its TPU variant does not.
+_QUERY_SHARD_PLATFORMS = ("xla", "triton", "pallas")
 
 
-def supports(plan: p.Plan, platform: str, *, query_shard: bool = False) -> bool:
+def takes_query_shard(platform: str, config: NativeSparseAttentionConfig | None = None) -> bool:
+    """Whether `platform`'s kernels (for the device `config` generates for) take a shard of the queries."""
+    return platform in _QUERY_SHARD_PLATFORMS and not (platform == "pallas" and for_device(config).backend == "tpu")
+
+
+def supports(plan: p.Plan, platform: str, *, query_shard: bool = False, config=None) -> bool:
     kernels = all(isinstance(branch, _KERNELS.get(platform, ())) for branch in plan.branches)
-    return kernels and (not query_shard or platform in _QUERY_SHARD_PLATFORMS)
+    return kernels and (not query_shard or takes_query_shard(platform, config))
 
 
 def choose_platform(
@@ -39,12 +44,14 @@ def choose_platform(
     specialised available platform with kernels for every branch of the plan (XLA has all) and,
     for a `query_shard` (queries fewer than keys), for a shard of the queries."""
     platform = resolve_platform(
-        requested, config, runs=lambda name: supports(plan, name, query_shard=query_shard)
+        requested, config, runs=lambda name: supports(plan, name, query_shard=query_shard, config=config)
     )
-    if query_shard and platform not in _QUERY_SHARD_PLATFORMS:
+    if query_shard and not takes_query_shard(platform, config):
+        able = [name for name in available_platforms(config) if takes_query_shard(name, config)]
         raise NotImplementedError(
             f"context parallelism (a shard of the queries against all keys, query_offset) is not implemented "
-            f"by the {platform} backend; platforms {', '.join(map(repr, _QUERY_SHARD_PLATFORMS))} support it"
+            f"by the {platform} backend on {for_device(config).backend.upper()}; here {', '.join(map(repr, able))} "
+            f"supports it"
         )
     return platform
 

@@ -117,6 +117,25 @@ class QueryRows(NamedTuple):
         return jnp.asarray(self.first, jnp.int32).reshape(1)
 
 
+def per_batch_row(entry, query, key, value, scoring_query, **arrays):
+    """`entry` (a generated module's attention or selections) called for each batch row of the
+    query, key, value, scoring_query and every array in `arrays` (dicts of them, or None), its
+    results concatenated along the batch: a shard of the queries of several batch rows is one
+    shift of the key rows per batch row, and the kernels take one shift."""
+
+    def row(x, b):
+        if isinstance(x, dict):
+            return {name: row(value, b) for name, value in x.items()}
+        return None if x is None else x[b : b + 1]
+
+    results = [
+        entry(query[b : b + 1], key[b : b + 1], value[b : b + 1], scoring_query=row(scoring_query, b),
+              **{name: row(x, b) for name, x in arrays.items()})
+        for b in range(query.shape[0])
+    ]
+    return jax.tree.map(lambda *parts: jnp.concatenate(parts), *results)
+
+
 class Blocks(NamedTuple):
     """The blocks of all sequences, sequence by sequence, padded to a static count: the key
     blocks of the backward kernels and the query tiles of static branches. Blocks count from
