@@ -32,15 +32,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import reference
-from conftest import gate, qkv, random_indices
+from conftest import gate, qkv
 from nsa_reference import NsaSpec
 from test_triton_context_parallel import (
     FLOAT16_TOLERANCE,
-    SELECTION,
     check_every_shard,
+    check_explicit_selection,
     check_nsa_shards,
-    mask_gradients,
     shards,
     static_attention,
     static_reference,
@@ -113,22 +111,7 @@ def test_explicit_selection_two_batch_rows_traced_scale(rng):
     """block_indices (some negative, past the token, repeated) and block_counts per token, cut to
     each shard's rows like the queries; two batch rows (one shard of each); the softmax scale a
     traced argument, its gradient too."""
-    batch, seq_len, heads_q, heads_kv, head_dim, width = 2, 64, 8, 2, 24, 4
-    q, k, v = qkv(rng, batch, seq_len, heads_q, heads_kv, head_dim)
-    indices = random_indices(rng, batch, seq_len, heads_kv, width, BLOCK)
-    counts = rng.integers(0, width + 1, (batch, seq_len, heads_kv)).astype(np.int32)
-    gates = {"g_slc": gate(rng, batch, seq_len, heads_q)}
-    scale = 0.35
-    masks = [reference.selection_mask(indices, counts, BLOCK)]
-    expected = reference.forward(q, k, v, masks, [gates["g_slc"]], scale)
-
-    def attention(q_rows, k, v, gate_rows, scale, offset, block_indices, block_counts):
-        return attend(SELECTION, q_rows, k, v, gates=gate_rows, softmax_scale=scale, block_indices=block_indices,
-                      block_counts=block_counts, query_offset=offset, platform=PLATFORM)
-
-    check_every_shard(rng, attention, q, k, v, gates, shards(0, 16, 48, 64), expected,
-                      mask_gradients(q, k, v, masks, [gates["g_slc"]], ["g_slc"], scale),
-                      row_options={"block_indices": indices, "block_counts": counts}, scale=jnp.float32(scale))
+    check_explicit_selection(rng, shards(0, 16, 48, 64), platform=PLATFORM)
 
 
 # ---- compression and top-k ---------------------------------------------------------------------

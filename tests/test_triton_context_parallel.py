@@ -247,6 +247,11 @@ SELECTION = p.Plan(name="selection", block_size=BLOCK, causal=True, params=(),
 def test_explicit_selection_two_batch_rows_traced_scale(rng):
     """block_indices (some negative, past the token, repeated) and block_counts per token, cut to
     each shard's rows like the queries; the softmax scale a traced argument, its gradient too."""
+    check_explicit_selection(rng, shards(0, 16, 32, 48, 64))
+
+
+def check_explicit_selection(rng, rows: list[slice], platform=PLATFORM):
+    """test_explicit_selection_two_batch_rows_traced_scale on `platform`, shards `rows`."""
     batch, seq_len, heads_q, heads_kv, head_dim, width = 2, 64, 8, 2, 24, 4
     q, k, v = qkv(rng, batch, seq_len, heads_q, heads_kv, head_dim)
     indices = random_indices(rng, batch, seq_len, heads_kv, width, BLOCK)
@@ -258,9 +263,9 @@ def test_explicit_selection_two_batch_rows_traced_scale(rng):
 
     def attention(q_rows, k, v, gate_rows, scale, offset, block_indices, block_counts):
         return attend(SELECTION, q_rows, k, v, gates=gate_rows, softmax_scale=scale, block_indices=block_indices,
-                      block_counts=block_counts, query_offset=offset, platform=PLATFORM)
+                      block_counts=block_counts, query_offset=offset, platform=platform)
 
-    check_every_shard(rng, attention, q, k, v, gates, shards(0, 16, 32, 48, 64), expected,
+    check_every_shard(rng, attention, q, k, v, gates, rows, expected,
                       mask_gradients(q, k, v, masks, [gates["g_slc"]], ["g_slc"], scale),
                       row_options={"block_indices": indices, "block_counts": counts}, scale=jnp.float32(scale))
 
