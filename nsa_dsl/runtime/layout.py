@@ -103,18 +103,10 @@ class QueryRows(NamedTuple):
     first: jax.Array | int
     count: int
 
-    @staticmethod
-    def every(total: int) -> QueryRows:
-        return QueryRows(0, total)
-
     def own(self, x):
         """x (arrays, or a tuple of them) [N, ...] per key row -> [count, ...] for the query rows."""
         first = jnp.asarray(self.first, jnp.int32)
         return jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, first, self.count), x)
-
-    def first_array(self) -> jax.Array:
-        """`first` as the int32 [1] array the kernels read."""
-        return jnp.asarray(self.first, jnp.int32).reshape(1)
 
 
 def per_batch_row(entry, query, key, value, scoring_query, **arrays):
