@@ -39,6 +39,7 @@ from test_triton_context_parallel import (
     check_every_shard,
     check_explicit_selection,
     check_nsa_shards,
+    check_per_block_groups,
     shards,
     static_attention,
     static_reference,
@@ -150,18 +151,7 @@ def test_topk_per_block_of_queries_straddling_shards(rng):
     """Groups of 8 queries counted from each sequence's start (13, 59) straddle the shards'
     boundaries: each shard's top-k scores them from every query (scoring_query) and keeps its
     own rows' selections. GQA group 2."""
-    source = (
-        f"pattern per_block\nblock {BLOCK}\ncausal\n"
-        "branch cmp = compress(block=16, stride=8) gate g_cmp\n"
-        "branch slc = topk(2, block=16, score=cmp, force=local(1)) per block(8) gate g_slc\n"
-    )
-    spec = NsaSpec(compress_block=16, compress_stride=8, select_count=2, select_block=16, query_block=8,
-                   forced=lambda qb, kb: kb == qb)
-    seq_len, heads_q, heads_kv, head_dim = 96, 4, 2, 16
-    cu = np.array([0, 13, 59, 93], np.int32)
-    q, k, v = qkv(rng, 1, seq_len, heads_q, heads_kv, head_dim)
-    gates = {name: gate(rng, 1, seq_len, heads_q) for name in ("g_cmp", "g_slc")}
-    check_nsa_shards(rng, source, spec, q, k, v, gates, cu, shards(0, 32, 64, 96), platform=PLATFORM)
+    check_per_block_groups(rng, heads_q=4, heads_kv=2, platform=PLATFORM)
 
 
 # ---- lowering, and the TPU variant -------------------------------------------------------------

@@ -298,6 +298,11 @@ def test_topk_per_block_of_queries_straddling_shards(rng):
     """Groups of 8 queries counted from each sequence's start (13, 59) straddle the shards'
     boundaries: each shard's top-k scores them from every query (scoring_query) and keeps its
     own rows' selections."""
+    check_per_block_groups(rng, heads_q=2, heads_kv=1)
+
+
+def check_per_block_groups(rng, heads_q: int, heads_kv: int, platform=PLATFORM):
+    """test_topk_per_block_of_queries_straddling_shards with these heads, on `platform`."""
     source = (
         f"pattern per_block\nblock {BLOCK}\ncausal\n"
         "branch cmp = compress(block=16, stride=8) gate g_cmp\n"
@@ -305,8 +310,8 @@ def test_topk_per_block_of_queries_straddling_shards(rng):
     )
     spec = NsaSpec(compress_block=16, compress_stride=8, select_count=2, select_block=16, query_block=8,
                    forced=lambda qb, kb: kb == qb)
-    seq_len, heads_q, heads_kv, head_dim = 96, 2, 1, 16
+    seq_len, head_dim = 96, 16
     cu = np.array([0, 13, 59, 93], np.int32)
     q, k, v = qkv(rng, 1, seq_len, heads_q, heads_kv, head_dim)
     gates = {name: gate(rng, 1, seq_len, heads_q) for name in ("g_cmp", "g_slc")}
-    check_nsa_shards(rng, source, spec, q, k, v, gates, cu, shards(0, 32, 64, 96))
+    check_nsa_shards(rng, source, spec, q, k, v, gates, cu, shards(0, 32, 64, 96), platform=platform)
