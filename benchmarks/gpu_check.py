@@ -347,9 +347,10 @@ def median_ms(fn, *args, repeats: int, warmup: int = 2) -> float:
 
 
 def run_tuning(T, HQ=64, HKV=4, D=128, S=16, block=64, dtype="bfloat16") -> dict:
-    """Launch settings of each selection kernel, and where the time of a call goes, at one length."""
+    """Where the time of a selection call goes at one length, both orders of its backward, and the
+    launch settings of the backward kernels."""
     from nsa_dsl import api, codegen
-    from nsa_dsl.runtime import layout
+    from nsa_dsl.runtime import layout, triton_glue
 
     log(f"\n== tuning at T={T}: B=1 HQ={HQ} HKV={HKV} D={D} S={S} block={block} {dtype} ==")
     module = codegen.load_module("triton", api.selection_plan(block), nsa_dsl.NativeSparseAttentionConfig(block_size=block))
@@ -363,22 +364,27 @@ def run_tuning(T, HQ=64, HKV=4, D=128, S=16, block=64, dtype="bfloat16") -> dict
     counts = jnp.full((T, HKV), S, jnp.int32)
     scale = jnp.full((1,), 1.0 / math.sqrt(D), jnp.float32)
     offsets = layout.sequence_offsets(None, 1, T)
+    query_first = jnp.zeros((1,), jnp.int32)
     spec = module.Selection(block, HKV, HQ // HKV, D, S)
+    rows = layout.rows(offsets, T)
 
     def clean(indices):
-        return layout.clean_selection(indices, counts, layout.rows(offsets, T), block, causal=True)
+        return layout.clean_selection(indices, counts, rows, block)
 
     selected = jax.jit(clean)(indices)
 
     def forward(q, k, v, selected):
-        return module._selection_forward(spec, q, k, v, scale, selected, offsets)
+        return module._selection_forward(spec, q, k, v, scale, selected, offsets, query_first)
 
     def backward(residuals, d_out):
         return module._selection_backward(spec, residuals, d_out)[:3]
 
     def pair_lists(selected):
-        rows = layout.rows(offsets, T)
         return layout.selection_by_key_block(selected, rows, layout.sequence_blocks(offsets, T, block))
+
+    def timed(fn, *args, repeats=10, warmup=2):
+        # a new function object each time: jit must trace again under the module's current settings
+        return median_ms(jax.jit(functools.partial(fn)), *args, repeats=repeats, warmup=warmup)
 
     residuals = jax.jit(forward)(q, k, v, selected)[1]
     result = {"T": T, "breakdown": {}, "settings": []}
@@ -386,37 +392,46 @@ def run_tuning(T, HQ=64, HKV=4, D=128, S=16, block=64, dtype="bfloat16") -> dict
         "clean_selection": (clean, (indices,)),
         "forward (kernel + rows)": (lambda *a: forward(*a)[0], (q, k, v, selected)),
         "pair lists (sort)": (pair_lists, (selected,)),
-        "backward (dq + pairs + dkdv)": (backward, (residuals, d_out)),
+        "backward, dq from stored ds": (backward, (residuals, d_out)),
     }
     for name, (fn, args) in parts.items():
         try:
-            ms = median_ms(jax.jit(fn), *args, repeats=10)
-            result["breakdown"][name] = ms
-            log(f"  {name:<30} {ms:8.2f} ms")
+            result["breakdown"][name] = ms = timed(fn, *args)
+            log(f"  {name:<34} {ms:8.2f} ms")
         except Exception as err:  # noqa: BLE001
-            log(f"  {name:<30} ERROR {type(err).__name__}: {err}")
-    # Each kernel in turn, the others at their defaults: its tile size (STEP_KEYS for the
-    # per-token kernels, PAIR_ROWS for dk/dv) and launch settings.
+            log(f"  {name:<34} ERROR {type(err).__name__}: {err}")
+    fits = triton_glue.fits_device_memory
+    triton_glue.fits_device_memory = lambda nbytes, share: False
+    try:
+        result["breakdown"]["backward, dq recomputing ds"] = ms = timed(backward, residuals, d_out)
+        log(f"  {'backward, dq recomputing ds':<34} {ms:8.2f} ms")
+    except Exception as err:  # noqa: BLE001
+        log(f"  backward, dq recomputing ds ERROR {type(err).__name__}: {err}")
+    finally:
+        triton_glue.fits_device_memory = fits
+    # The backward kernels of the stored order in turn, the others at their defaults: the tile
+    # (DQ_STEP_KEYS keys a step of dq, PAIR_ROWS tile rows a step of dk/dv) and launch settings.
+    sweeps = {
+        "selection_backward_dq_from_scores": ("DQ_STEP_KEYS", (64, 128), ((4, 2), (4, 3), (8, 2))),
+        "selection_backward_dkdv": ("PAIR_ROWS", (32, 64, 128), ((4, 2), (8, 2))),
+    }
     default = dict(module.LAUNCH)
-    tiles = {"selection_forward": "STEP_KEYS", "selection_backward_dq": "STEP_KEYS", "selection_backward_dkdv": "PAIR_ROWS"}
-    log(f"  {'kernel':<26} {'tile':>14} {'warps':>5} {'stages':>6} {'ms':>8}")
-    for kernel, tile in tiles.items():
-        timed, args = (forward, (q, k, v, selected)) if kernel == "selection_forward" else (backward, (residuals, d_out))
+    log(f"  {'kernel':<34} {'tile':>16} {'warps':>5} {'stages':>6} {'bwd ms':>8}")
+    for kernel, (tile, sizes, launches) in sweeps.items():
         default_tile = getattr(module, tile)
-        for size in (64, 128, 256) if tile == "STEP_KEYS" else (32, 64, 128):
+        for size in sizes:
             setattr(module, tile, size)
-            for warps in (4, 8):
-                for stages in (1, 2, 3):
-                    module.LAUNCH[kernel] = (warps, stages)
-                    setting = {"kernel": kernel, tile: size, "num_warps": warps, "num_stages": stages}
-                    try:
-                        # a new function object each time: jit must trace again under the new settings
-                        setting["ms"] = median_ms(jax.jit(functools.partial(timed)), *args, repeats=5, warmup=1)
-                        log(f"  {kernel:<26} {tile + '=' + str(size):>14} {warps:>5} {stages:>6} {setting['ms']:8.2f}")
-                    except Exception as err:  # noqa: BLE001
-                        setting["error"] = f"{type(err).__name__}: {str(err)[:200]}"
-                        log(f"  {kernel:<26} {tile + '=' + str(size):>14} {warps:>5} {stages:>6} ERROR {setting['error']}")
-                    result["settings"].append(setting)
+            for warps, stages in launches:
+                module.LAUNCH[kernel] = (warps, stages)
+                setting = {"kernel": kernel, tile: size, "num_warps": warps, "num_stages": stages}
+                label = f"{kernel:<34} {tile + '=' + str(size):>16} {warps:>5} {stages:>6}"
+                try:
+                    setting["ms"] = timed(backward, residuals, d_out, repeats=5, warmup=1)
+                    log(f"  {label} {setting['ms']:8.2f}")
+                except Exception as err:  # noqa: BLE001
+                    setting["error"] = f"{type(err).__name__}: {str(err)[:200]}"
+                    log(f"  {label} ERROR {setting['error']}")
+                result["settings"].append(setting)
         setattr(module, tile, default_tile)
         module.LAUNCH[kernel] = default[kernel]
     return result

@@ -2,8 +2,10 @@
 (the same @triton.jit functions jax-triton launches on a GPU), against the float64 reference:
 forward and gradients of q, k, v and the gate, float32 and float16, odd lengths, head dims
 32/60/64/100, GQA groups 1/3/4/16, per-token counts, out-of-range and repeated entries,
-packed sequences (what it shares with Pallas is in test_interpreted_selection.py). The
-interpreter runs one program at a time in Python, so shapes are small."""
+packed sequences (what it shares with Pallas is in test_interpreted_selection.py), and both
+orders of the backward (dq from stored score gradients, and dq recomputing them where they
+would not fit in memory). The interpreter runs one program at a time in Python, so shapes are
+small."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import pytest
 
 import nsa_dsl
 from conftest import check_selection_against_reference, gate, qkv, random_indices
+from nsa_dsl.runtime import triton_glue
 
 # float16 kernels round p and ds to float16 before their matrix products.
 TOLERANCE = {np.float32: 2e-5, np.float16: 5e-3}
@@ -46,6 +49,27 @@ def test_forward_and_gradients(rng, dtype, batch, seq_len, heads_q, heads_kv, he
     indices = random_indices(rng, batch, seq_len, heads_kv, width, block)
     counts = rng.integers(0, width + 1, (batch, seq_len, heads_kv)).astype(np.int32) if per_token_counts else width - 1
     g_slc = gate(rng, batch, seq_len, heads_q).astype(dtype)
+    check_forward_and_gradients(rng, q, k, v, g_slc, indices, counts, block)
+
+
+@pytest.fixture
+def recomputed_scores(monkeypatch):
+    """The backward's other order: no memory for the score gradients, so dq recomputes them."""
+    monkeypatch.setattr(triton_glue, "fits_device_memory", lambda nbytes, share: False)
+    jax.clear_caches()  # traces that chose to store them
+    yield
+    jax.clear_caches()
+
+
+@pytest.mark.parametrize(
+    "dtype, seq_len, heads_q, head_dim, width, block",
+    [(np.float32, 63, 3, 60, 4, 16), (np.float16, 50, 16, 32, 3, 16)],
+)
+def test_recomputed_score_gradients(rng, recomputed_scores, dtype, seq_len, heads_q, head_dim, width, block):
+    q, k, v = qkv(rng, 1, seq_len, heads_q, 1, head_dim, dtype=dtype)
+    indices = random_indices(rng, 1, seq_len, 1, width, block)
+    counts = rng.integers(0, width + 1, (1, seq_len, 1)).astype(np.int32)
+    g_slc = gate(rng, 1, seq_len, heads_q).astype(dtype)
     check_forward_and_gradients(rng, q, k, v, g_slc, indices, counts, block)
 
 

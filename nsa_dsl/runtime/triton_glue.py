@@ -36,6 +36,19 @@ def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
+@functools.lru_cache(maxsize=None)
+def _device_memory_bytes() -> int | None:
+    """Memory of the first local device as its allocator reports it; None where it reports none (a CPU)."""
+    return (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
+
+
+def fits_device_memory(nbytes: int, share: float) -> bool:
+    """Whether a buffer of `nbytes` takes at most `share` of the device's memory (always, where the
+    device reports no limit: the interpreter's host memory)."""
+    limit = _device_memory_bytes()
+    return limit is None or nbytes <= share * limit
+
+
 def prepare_kernels() -> None:
     """Call before a generated module imports triton. Without a GPU, every `triton.jit` function
     must be an interpreted one, Triton's own library functions (tl.zeros, ...) included, and
