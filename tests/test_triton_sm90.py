@@ -67,4 +67,7 @@ def test_every_kernel_compiles_for_sm90_within_shared_memory(compiled, group):
     assert not too_big, f"more shared memory than an sm_90 block may have ({SM90_SHARED_BYTES} bytes): {too_big}"
     names = {k["kernel"] for k in kernels}
     if group.startswith("benchmark"):
-        assert {"compression_forward", "topk_selection", "selection_forward", "selection_backward_dkdv"} <= names
+        assert {
+            "compression_forward", "topk_selection", "selection_forward", "selection_backward_dkdv",
+            "selection_backward_dq", "selection_backward_dq_from_scores",
+        } <= names

@@ -6,7 +6,8 @@ be imported without TRITON_INTERPRET, which nsa_dsl would otherwise switch on he
 
 SPEC_JSON: a list of {"pattern": .nsa text or an examples/ file, "batch", "seq_len", "heads_q",
 "heads_kv", "head_dim", "dtype", "selection": true for native_sparse_attention's explicit
-block_indices}. Each case's forward and backward are traced (not run): every `triton_glue.launch`
+block_indices}. Each case's forward and backward (both orders of the selection backward) are
+traced (not run): every `triton_glue.launch`
 is recorded with the argument types jax-triton would give the kernel (pointers 16-byte aligned,
 integers i32, a scalar equal to 1 specialised to the constant), then each distinct kernel is
 compiled for sm_90a with its launch's num_warps and num_stages. Prints one JSON line: per kernel
@@ -95,7 +96,11 @@ def trace(case: dict) -> None:
             return compiled(q, k, v, platform="triton", **gates)
 
     loss = lambda q, k, v: jnp.sum(attention(q, k, v).astype(jnp.float32))  # noqa: E731
-    jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).trace(q, k, v)
+    # Both orders of the selection backward: score gradients stored for dq, and recomputed by it.
+    for stored in (True, False):
+        triton_glue.fits_device_memory = lambda nbytes, share, stored=stored: stored
+        jax.clear_caches()  # the generated entry points are jitted: trace them again
+        jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).trace(q, k, v)
 
 
 def main() -> None:
