@@ -75,12 +75,15 @@ def test_pair_lists_are_the_selection_transposed(rng, monkeypatch, one_key):
     cleaned = layout.clean_selection(indices, np.full((TOTAL, heads_kv), width, np.int32), rows, BLOCK)
     blocks = layout.sequence_blocks(offsets, TOTAL, BLOCK)
     pairs = layout.selection_by_key_block(cleaned, rows, blocks)
-    tokens, bounds = np.asarray(pairs.tokens), np.asarray(pairs.offsets)
+    tokens, slots, bounds = np.asarray(pairs.tokens), np.asarray(pairs.slots), np.asarray(pairs.offsets)
     cleaned, seq_first = np.asarray(cleaned), np.asarray(blocks.seq_first)
-    first_block = [seq_first[sequence_of(row)[0]] if sequence_of(row) else 0 for row in range(TOTAL)]
-    named = np.where(cleaned >= 0, np.array(first_block)[:, None, None] + cleaned, blocks.count)
-    np.testing.assert_array_equal(np.asarray(pairs.entry_blocks), named)
     for h in range(heads_kv):
         for b in range(blocks.count):
-            expected = [row for row in range(TOTAL) for e in range(width) if named[row, h, e] == b]
-            assert tokens[bounds[h, b] : bounds[h, b + 1]].tolist() == expected, (h, b)
+            expected = [
+                (row, e)
+                for row in range(TOTAL)
+                for e in range(width)
+                if cleaned[row, h, e] >= 0 and seq_first[sequence_of(row)[0]] + cleaned[row, h, e] == b
+            ]
+            listed = slice(bounds[h, b], bounds[h, b + 1])
+            assert list(zip(tokens[listed].tolist(), slots[listed].tolist())) == expected, (h, b)

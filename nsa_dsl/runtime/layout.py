@@ -207,12 +207,12 @@ class PairLists(NamedTuple):
     """The selection transposed: per (KV head, key block), the rows that selected it.
 
     tokens[offsets[h, b] : offsets[h, b + 1]] are the rows, ascending, whose selection for KV
-    head h holds key block b (a Blocks id); entry_blocks[row, h, e] is the Blocks id entry e of
-    the row's selection names (the block count for none)."""
+    head h holds key block b (a Blocks id); slots[i] is the entry of row tokens[i]'s selection
+    that names the block."""
 
     tokens: jax.Array  # [HKV * N * S] int32
+    slots: jax.Array  # [HKV * N * S] int32
     offsets: jax.Array  # [HKV, num key blocks + 1] int32
-    entry_blocks: jax.Array  # [N, HKV, S] int32
 
 
 # Pair lists sort one int32 key per (row, entry) pair where (HKV * (key blocks + 1) * N) fits:
@@ -230,13 +230,19 @@ def selection_by_key_block(selected: jax.Array, row_info: Rows, blocks: Blocks) 
     list_id = (jnp.arange(heads_kv, dtype=jnp.int32)[None, :, None] * lists_per_head + block_id).transpose(1, 0, 2)
     bounds = jnp.arange(heads_kv * lists_per_head, dtype=jnp.int32).reshape(heads_kv, lists_per_head)
     if heads_kv * lists_per_head * total <= ONE_KEY_LIMIT:
-        # key = list * N + row: sorted, lists in order and each list's rows ascending.
+        # key = list * N + row: sorted, lists in order and each list's rows ascending. A row names a
+        # block at most once (clean_selection), so the entry is found again by comparing its row's.
         keys = lax.sort((list_id * total + jnp.arange(total, dtype=jnp.int32)[None, :, None]).reshape(-1))
-        return PairLists(keys % total, jnp.searchsorted(keys, bounds * total, side="left").astype(jnp.int32), block_id)
+        tokens, lists = keys % total, keys // total
+        named = block_id[tokens, lists // lists_per_head] == (lists % lists_per_head)[:, None]
+        slots = jnp.argmax(named, axis=-1).astype(jnp.int32)
+        return PairLists(tokens, slots, jnp.searchsorted(keys, bounds * total, side="left").astype(jnp.int32))
     keys = list_id.reshape(-1)
-    tokens = jnp.broadcast_to(jnp.arange(total, dtype=jnp.int32)[None, :, None], list_id.shape).reshape(-1)
-    keys, tokens = lax.sort((keys, tokens), is_stable=True, num_keys=1)
-    return PairLists(tokens, jnp.searchsorted(keys, bounds, side="left").astype(jnp.int32), block_id)
+    row_entries = jnp.broadcast_to(jnp.arange(total * entries, dtype=jnp.int32).reshape(1, total, entries), list_id.shape)
+    keys, row_entries = lax.sort((keys, row_entries.reshape(-1)), is_stable=True, num_keys=1)
+    return PairLists(
+        row_entries // entries, row_entries % entries, jnp.searchsorted(keys, bounds, side="left").astype(jnp.int32)
+    )
 
 
 class TransposedTable(NamedTuple):
