@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import check_selection_against_reference, gate, qkv, random_indices
 
 import nsa_dsl
-from conftest import check_selection_against_reference, gate, qkv, random_indices
 from nsa_dsl.runtime import triton_glue
 
 # float16 kernels round p and ds to float16 before their matrix products.
