@@ -73,6 +73,20 @@ def test_recomputed_score_gradients(rng, recomputed_scores, dtype, seq_len, head
     check_forward_and_gradients(rng, q, k, v, g_slc, indices, counts, block)
 
 
+def test_the_score_gradients_memory_share(monkeypatch):
+    """Stored where they fit in the share of the device's memory; the environment sets the share."""
+    monkeypatch.setattr(triton_glue, "_device_memory_bytes", lambda: 1000)
+    monkeypatch.delenv("NSA_DSL_STORED_SCORES_SHARE", raising=False)
+    assert triton_glue.memory_share("NSA_DSL_STORED_SCORES_SHARE", 0.125) == 0.125
+    assert triton_glue.fits_device_memory(125, 0.125) and not triton_glue.fits_device_memory(126, 0.125)
+    monkeypatch.setenv("NSA_DSL_STORED_SCORES_SHARE", "0.5")
+    assert triton_glue.fits_device_memory(400, triton_glue.memory_share("NSA_DSL_STORED_SCORES_SHARE", 0.125))
+    for bad in ("1.5", "-0.1", "half", "nan"):
+        monkeypatch.setenv("NSA_DSL_STORED_SCORES_SHARE", bad)
+        with pytest.raises(ValueError, match="NSA_DSL_STORED_SCORES_SHARE must be a number from 0 to 1"):
+            triton_glue.memory_share("NSA_DSL_STORED_SCORES_SHARE", 0.125)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_packed_sequences(rng, dtype):
     cu_seqlens = np.array([0, 15, 40, 61], dtype=np.int32)  # rows 61..63 belong to no sequence

@@ -42,6 +42,21 @@ def _device_memory_bytes() -> int | None:
     return (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
 
 
+def memory_share(variable: str, default: float) -> float:
+    """A share of the device's memory: the environment variable's value (a number from 0 to 1),
+    else `default`."""
+    text = os.environ.get(variable)
+    if text is None:
+        return default
+    try:
+        share = float(text)
+    except ValueError:
+        share = float("nan")
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"{variable} must be a number from 0 to 1 (a share of the device's memory), got {text!r}")
+    return share
+
+
 def fits_device_memory(nbytes: int, share: float) -> bool:
     """Whether a buffer of `nbytes` takes at most `share` of the device's memory (always, where the
     device reports no limit: the interpreter's host memory)."""
