@@ -207,12 +207,12 @@ class PairLists(NamedTuple):
     """The selection transposed: per (KV head, key block), the rows that selected it.
 
     tokens[offsets[h, b] : offsets[h, b + 1]] are the rows, ascending, whose selection for KV
-    head h holds key block b (a Blocks id); slots[i] is the entry of row tokens[i]'s selection
-    that names the block."""
+    head h holds key block b (a Blocks id); slots[i], where asked for, is the entry of row
+    tokens[i]'s selection that names the block."""
 
     tokens: jax.Array  # [HKV * N * S] int32
-    slots: jax.Array  # [HKV * N * S] int32
     offsets: jax.Array  # [HKV, num key blocks + 1] int32
+    slots: jax.Array | None = None  # [HKV * N * S] int32
 
 
 # Pair lists sort one int32 key per (row, entry) pair where (HKV * (key blocks + 1) * N) fits:
@@ -220,10 +220,11 @@ class PairLists(NamedTuple):
 ONE_KEY_LIMIT = 2**31
 
 
-def selection_by_key_block(selected: jax.Array, row_info: Rows, blocks: Blocks) -> PairLists:
+def selection_by_key_block(selected: jax.Array, row_info: Rows, blocks: Blocks, slots: bool = False) -> PairLists:
     """Transpose cleaned selections [N, HKV, S] (clean_selection) into pair lists, on device:
     number every (row, entry) pair by its (KV head, key block) list, sort, and find each list's
-    range by binary search. Deterministic: no atomics, rows stay in ascending order."""
+    range by binary search; with `slots`, each pair's entry too. Deterministic: no atomics, rows
+    stay in ascending order."""
     total, heads_kv, entries = selected.shape
     lists_per_head = blocks.count + 1  # the last: entries naming no block, sorted after every real one
     block_id = jnp.where(selected >= 0, blocks.block_id(row_info.seq[:, None, None], selected), blocks.count)
@@ -233,15 +234,19 @@ def selection_by_key_block(selected: jax.Array, row_info: Rows, blocks: Blocks) 
         # key = list * N + row: sorted, lists in order and each list's rows ascending. A row names a
         # block at most once (clean_selection), so the entry is found again by comparing its row's.
         keys = lax.sort((list_id * total + jnp.arange(total, dtype=jnp.int32)[None, :, None]).reshape(-1))
-        tokens, lists = keys % total, keys // total
-        named = block_id[tokens, lists // lists_per_head] == (lists % lists_per_head)[:, None]
-        slots = jnp.argmax(named, axis=-1).astype(jnp.int32)
-        return PairLists(tokens, slots, jnp.searchsorted(keys, bounds * total, side="left").astype(jnp.int32))
+        pairs = PairLists(keys % total, jnp.searchsorted(keys, bounds * total, side="left").astype(jnp.int32))
+        if not slots:
+            return pairs
+        lists = keys // total
+        named = block_id[pairs.tokens, lists // lists_per_head] == (lists % lists_per_head)[:, None]
+        return pairs._replace(slots=jnp.argmax(named, axis=-1).astype(jnp.int32))
     keys = list_id.reshape(-1)
     row_entries = jnp.broadcast_to(jnp.arange(total * entries, dtype=jnp.int32).reshape(1, total, entries), list_id.shape)
     keys, row_entries = lax.sort((keys, row_entries.reshape(-1)), is_stable=True, num_keys=1)
     return PairLists(
-        row_entries // entries, row_entries % entries, jnp.searchsorted(keys, bounds, side="left").astype(jnp.int32)
+        row_entries // entries,
+        jnp.searchsorted(keys, bounds, side="left").astype(jnp.int32),
+        row_entries % entries if slots else None,
     )
 
 
