@@ -3,8 +3,8 @@
 forward and gradients of q, k, v and the gate, float32 and float16, odd lengths, head dims
 32/60/64/100, GQA groups 1/3/4/16, per-token counts, out-of-range and repeated entries,
 packed sequences (what it shares with Pallas is in test_interpreted_selection.py), and both
-orders of the backward (dq from stored score gradients, and dq recomputing them where they
-would not fit in memory). The interpreter runs one program at a time in Python, so shapes are
+orders of the backward (dq from stored score gradients, all KV heads at once or in slices of
+heads, and dq recomputing them where they would not fit in memory). The interpreter runs one program at a time in Python, so shapes are
 small."""
 
 from __future__ import annotations
@@ -71,6 +71,37 @@ def test_recomputed_score_gradients(rng, recomputed_scores, dtype, seq_len, head
     counts = rng.integers(0, width + 1, (1, seq_len, 1)).astype(np.int32)
     g_slc = gate(rng, 1, seq_len, heads_q).astype(dtype)
     check_forward_and_gradients(rng, q, k, v, g_slc, indices, counts, block)
+
+
+@pytest.fixture
+def scores_in_head_slices(monkeypatch):
+    """Memory for the score gradients of half the KV heads at a time: the backward stores and
+    reads them in two slices of heads."""
+    asked = []
+
+    def fits(nbytes, share):
+        asked.append(nbytes)
+        return 2 * nbytes <= asked[0]  # asked[0]: every KV head's
+
+    monkeypatch.setattr(triton_glue, "fits_device_memory", fits)
+    jax.clear_caches()
+    yield asked
+    jax.clear_caches()
+
+
+@pytest.mark.parametrize(
+    "dtype, seq_len, heads_q, heads_kv, head_dim, width, block",
+    [(np.float32, 57, 8, 2, 48, 3, 16), (np.float16, 40, 12, 4, 32, 4, 16)],
+)
+def test_score_gradients_in_head_slices(rng, scores_in_head_slices, dtype, seq_len, heads_q, heads_kv, head_dim, width,
+                                        block):
+    q, k, v = qkv(rng, 1, seq_len, heads_q, heads_kv, head_dim, dtype=dtype)
+    indices = random_indices(rng, 1, seq_len, heads_kv, width, block)
+    counts = rng.integers(0, width + 1, (1, seq_len, heads_kv)).astype(np.int32)
+    g_slc = gate(rng, 1, seq_len, heads_q).astype(dtype)
+    check_forward_and_gradients(rng, q, k, v, g_slc, indices, counts, block)
+    every_head = scores_in_head_slices[0]
+    assert every_head // 2 in scores_in_head_slices, "the backward did not try slices of half the KV heads"
 
 
 def test_the_score_gradients_memory_share(monkeypatch):
