@@ -2,7 +2,7 @@
 measured on a GPU in one process: the sweep behind TOKEN_ROWS, TOPK_GROUPS and the compression
 and top-k entries of LAUNCH in templates/triton (NOTES.md, session 4).
 
-    PYTHONPATH=. python benchmarks/tune_triton_nsa.py [--seq-len 65536] [--out DIR]
+    PYTHONPATH=. python benchmarks/tune_triton_nsa.py [--seq-len 65536] [--kernels compression,topk] [--out DIR]
 
 Setting: B=1, HQ=64, HKV=4, D=128, bfloat16 (issue 4's; --dtype), compress(64, 64), top-16 of 64-token
 blocks forcing the query's own. Each setting patches the generated module's constants (the module
@@ -39,7 +39,8 @@ COMPRESSION = "pattern cmp\nblock 64\ncausal\nbranch cmp = compress(block=64, st
 SELECTION = COMPRESSION + "branch slc = topk(16, block=64, score=cmp, force=local(1)) gate g_slc\n"
 # (TOKEN_ROWS, compression num_warps) and (TOPK_GROUPS, TOPK_CANDIDATES, top-k num_warps) to time.
 COMPRESSION_SETTINGS = [(128, 8), (64, 4), (64, 8), (128, 4)]
-TOPK_SETTINGS = [(4, 64, 4), (4, 32, 4), (2, 64, 4), (4, 64, 2), (8, 32, 8), (8, 64, 4), (16, 64, 4), (4, 64, 8)]
+TOPK_SETTINGS = [(4, 64, 4), (4, 32, 4), (2, 64, 4), (4, 64, 2), (8, 32, 8), (8, 64, 4), (16, 64, 4), (4, 64, 8),
+                 (4, 128, 4), (4, 128, 8), (2, 128, 4), (8, 128, 8)]
 
 
 def main() -> None:
@@ -47,6 +48,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=65536)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--time-cap-s", type=float, default=0.5)
+    parser.add_argument("--kernels", default="compression,topk", help="which sweeps to run (default both)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for tune_triton_nsa.json")
     args = parser.parse_args()
 
@@ -76,7 +78,8 @@ def main() -> None:
         except Exception as err:  # noqa: BLE001 - every setting is its own measurement
             return error_text(err)
 
-    for token_rows, warps in COMPRESSION_SETTINGS:
+    sweeps = set(args.kernels.split(","))
+    for token_rows, warps in COMPRESSION_SETTINGS if "compression" in sweeps else ():
         use(rows=token_rows, launch={"compression_forward": (warps, 2), "compression_backward_dq": (warps, 2)})
         forward = jax.jit(lambda q, k, v: compression(q, k, v, g_cmp=g_cmp, platform="triton"))
         grads = jax.jit(jax.grad(lambda q, k, v: jnp.sum(forward(q, k, v).astype(jnp.float32) ** 2), argnums=(0, 1, 2)))
@@ -84,7 +87,7 @@ def main() -> None:
                "fwd_ms": timed(lambda f=forward: f(q, k, v)), "fwd_bwd_ms": timed(lambda g=grads: g(q, k, v))}
         print(row, flush=True)
         results.append(row)
-    for topk_groups, topk_candidates, warps in TOPK_SETTINGS:
+    for topk_groups, topk_candidates, warps in TOPK_SETTINGS if "topk" in sweeps else ():
         use(groups=topk_groups, candidates=topk_candidates, launch={"topk_selection": (warps, 2)})
         selections = jax.jit(lambda q, k, v: selection.selections(q, k, v, platform="triton"))
         row = {"kernel": "topk_selection", "groups": topk_groups, "candidates": topk_candidates, "num_warps": warps,
