@@ -42,6 +42,7 @@ def compiled(tmp_path_factory) -> dict[str, list[dict]]:
     """Each group of cases compiled in a process of its own, the groups side by side."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
     env.pop("TRITON_INTERPRET", None)
+    env["JAX_PLATFORMS"] = "cpu"  # traced, not run: on a GPU machine too, launches must not reach jax-triton
     workers = {}
     for name, cases in CASES.items():
         env_case = {**env, "NSA_DSL_CACHE_DIR": str(tmp_path_factory.mktemp("sm90"))}
