@@ -138,7 +138,7 @@ def test_packed_sequences_with_learned_pooling(rng):
 @pytest.mark.parametrize(
     "compress_block, compress_stride, seq_len, heads_q, cu_seqlens",
     [
-        (16, 8, 130, 2, None),  # overlapping keys: 7 blocks a chunk, two chunks
+        (16, 8, 200, 2, None),  # overlapping keys: 7 blocks a chunk; the second's best interleave with the first's
         (16, 16, 300, 1, [0, 21, 300]),  # one key per block: 16 blocks a chunk; group 1, packed
     ],
 )
