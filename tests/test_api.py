@@ -215,3 +215,23 @@ def test_branch_names_cannot_clash_with_generated_names(rng, platform):
     out = attention(q, k, v, platform=platform)
     expected = reference_output(attention.plan, q, k, v)
     assert np.abs(np.asarray(out) - expected).max() <= 1e-4 * np.abs(expected).max()
+
+
+@pytest.mark.parametrize("platform, backend", [("xla", None), ("triton", None), ("pallas", None), ("pallas", "tpu")])
+def test_exact_ties_go_to_the_lower_block(rng, platform, backend):
+    """README: the top-k breaks exact ties towards the lower block id. One key vector at every
+    position makes all compressed keys equal, so a query's complete blocks tie exactly: after its
+    forced own block it keeps blocks 0 and 1 (those it has besides its own)."""
+    source = (
+        "pattern ties\nblock 16\n"
+        "branch cmp = compress(block=16, stride=16) gate g_cmp\n"
+        "branch slc = topk(3, block=16, score=cmp, force=local(1)) gate g_slc\n"
+    )
+    q, _, v = qkv(rng, 1, 90, 4, 1, 16)
+    k = np.broadcast_to(rng.standard_normal((1, 1, 1, 16)), v.shape).astype(np.float32)
+    config = nsa_dsl.NativeSparseAttentionConfig(backend=backend) if backend else None
+    chosen = np.asarray(nsa_dsl.compile(source, config=config).selections(q, k, v, platform=platform)["slc"])
+    own = np.arange(90) // 16
+    expected = np.stack([own, np.where(own > 0, 0, -1), np.where(own > 1, 1, -1)], axis=-1)
+    as_sets = lambda blocks: np.sort(np.where(blocks < 0, 1 << 30, blocks), axis=-1)  # noqa: E731
+    np.testing.assert_array_equal(as_sets(chosen[0, :, 0]), as_sets(expected))
