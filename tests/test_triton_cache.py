@@ -137,8 +137,11 @@ def test_a_second_process_compiles_no_kernel_again(tmp_path):
     cold = run()
     entries = sorted(Path(tmp_path, "triton-kernels").rglob("*.json"))
     assert cold["compiled"] >= 2 and len(entries) == cold["compiled"]  # forward and backward kernels
+    binaries = sorted(Path(tmp_path, "ptxas").rglob("*.sha256"))  # what ptxas made of them (ptxas_cache)
+    assert len(binaries) >= cold["compiled"]
     warm = run()
     assert warm["compiled"] == 0 and warm["grads"] == cold["grads"]
+    assert sorted(Path(tmp_path, "ptxas").rglob("*.sha256")) == binaries  # no new ptxas run was stored
     entries[0].write_text(entries[0].read_text()[:100])  # a damaged entry is compiled again, and rewritten
     repaired = run()
     assert repaired["compiled"] == 1 and repaired["grads"] == cold["grads"]

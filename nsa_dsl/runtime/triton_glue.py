@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import triton_cache
+from . import ptxas_cache, triton_cache
 from .layout import varying_like
 
 
@@ -148,6 +148,7 @@ def launch(
         import jax_triton
 
         triton_cache.install()
+        ptxas_cache.install()
         result = jax_triton.triton_call(
             *inputs,
             kernel=kernel,
