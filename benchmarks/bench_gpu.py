@@ -18,7 +18,8 @@ per token, window 512, T = 8k/32k/64k. Cases, each at every length:
              FlexAttention (torch.compile'd, sliding-window block mask)
   causal     plain causal attention: ours (every block up to the query's) against cuDNN
   coldstart  first call of the selection and the NSA pattern in a fresh process with an empty
-             NSA_DSL_CACHE_DIR, then in a second process on the same cache directory
+             NSA_DSL_CACHE_DIR, then in a second process on the same cache directory; forward and
+             forward+backward each in their own pair of processes
 Each row: median ms (benchmarks/timing.py says how), the ratio row / nsa_dsl (above 1: ours
 faster), TFLOP/s and requested K/V bandwidth from counted work, and max |difference| of sampled
 outputs against ours where both compute the same thing. FLA and FlexAttention run in a PyTorch
@@ -747,9 +748,9 @@ def row_text(row: dict) -> str:
 # Cold and warm start: the first call in a new process, with and without a filled cache
 
 
-def first_call_child(s: Settings, platform: str) -> None:
-    """In a fresh process: seconds to the first result of each pattern, forward then
-    forward+backward (so the second includes only the backward's compilation)."""
+def first_call_child(s: Settings, platform: str, mode: str) -> None:
+    """In a fresh process: seconds to the first result of each pattern in `mode` (forward, or
+    forward and backward in one jitted call, as a training step's first call would be)."""
     started = time.perf_counter()
     import jax
     import jax.numpy as jnp
@@ -769,11 +770,11 @@ def first_call_child(s: Settings, platform: str) -> None:
         try:
             forward, extra = build(x)
             start = time.perf_counter()
-            jax.block_until_ready(jax.jit(forward)(x.q, x.k, x.v, *extra))
-            entry["fwd_first_call_s"] = time.perf_counter() - start
-            start = time.perf_counter()
-            jax.block_until_ready(jax.jit(forward_backward_of(forward))(x.q, x.k, x.v, x.do, *extra))
-            entry["fwdbwd_first_call_s"] = time.perf_counter() - start
+            if mode == "fwd":
+                jax.block_until_ready(jax.jit(forward)(x.q, x.k, x.v, *extra))
+            else:
+                jax.block_until_ready(jax.jit(forward_backward_of(forward))(x.q, x.k, x.v, x.do, *extra))
+            entry[f"{mode}_first_call_s"] = time.perf_counter() - start
         except Exception as err:  # noqa: BLE001 - reported to the parent
             entry["error"] = error_text(err)
             traceback.print_exc(limit=4)
@@ -781,46 +782,49 @@ def first_call_child(s: Settings, platform: str) -> None:
 
 
 def run_coldstart(s: Settings, args: argparse.Namespace, report: Report, budget: Budget) -> None:
+    """Per mode, a cold process on an empty cache directory, then a warm one on what it left."""
     seq_len = args.coldstart_len or s.lengths[0]
     platform = args.coldstart_platform or ("triton" if s.device == "gpu" else "xla")
     log = report.log
     log(f"\n== coldstart: first call in a new process, {platform}, T={seq_len} ==")
-    root = tempfile.mkdtemp(prefix="bench_gpu_cold_", dir=args.work_dir)
-    env = {**os.environ, "NSA_DSL_CACHE_DIR": os.path.join(root, "nsa_dsl"), "TRITON_CACHE_DIR": os.path.join(root, "triton")}
-    env.pop("JAX_COMPILATION_CACHE_DIR", None)
-    if s.device == "cpu":
-        env["JAX_PLATFORMS"] = "cpu"
     child_settings = dataclasses.replace(s, lengths=(seq_len,))
     runs = {}
-    try:
-        for run in ("cold", "warm"):
-            left = budget.left()
-            if left < args.min_left_s + 30:
-                runs[run] = {"error": f"skipped: time budget ({left:.0f} s left)"}
-                continue
-            command = [sys.executable, os.path.abspath(__file__), "--first-call-child",
-                       "--settings-json", json.dumps(dataclasses.asdict(child_settings)), "--coldstart-platform", platform]
-            started = time.perf_counter()
-            try:
-                done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=min(300.0, left),
-                                      check=False)
-                lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-                if not lines:
-                    raise RuntimeError(f"status {done.returncode}: " + " | ".join(done.stderr.strip().splitlines()[-3:]))
-                runs[run] = json.loads(lines[-1])
-            except Exception as err:  # noqa: BLE001
-                runs[run] = {"error": error_text(err)}
-            runs[run]["process_s"] = time.perf_counter() - started
-            log(f"{run} process: {time.perf_counter() - started:.1f} s"
-                + (f" ({runs[run]['error']})" if "error" in runs[run] else ""))
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    for mode in MODES:
+        root = tempfile.mkdtemp(prefix="bench_gpu_cold_", dir=args.work_dir)
+        env = {**os.environ, "NSA_DSL_CACHE_DIR": os.path.join(root, "nsa_dsl"), "TRITON_CACHE_DIR": os.path.join(root, "triton")}
+        env.pop("JAX_COMPILATION_CACHE_DIR", None)
+        if s.device == "cpu":
+            env["JAX_PLATFORMS"] = "cpu"
+        try:
+            for run in ("cold", "warm"):
+                left = budget.left()
+                if left < args.min_left_s + 30:
+                    runs[mode, run] = {"error": f"skipped: time budget ({left:.0f} s left)"}
+                    continue
+                command = [sys.executable, os.path.abspath(__file__), "--first-call-child", "--coldstart-mode", mode,
+                           "--settings-json", json.dumps(dataclasses.asdict(child_settings)),
+                           "--coldstart-platform", platform]
+                started = time.perf_counter()
+                try:
+                    done = subprocess.run(command, capture_output=True, text=True, env=env,
+                                          timeout=min(300.0, left), check=False)
+                    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+                    if not lines:
+                        raise RuntimeError(f"status {done.returncode}: "
+                                           + " | ".join(done.stderr.strip().splitlines()[-3:]))
+                    runs[mode, run] = json.loads(lines[-1])
+                except Exception as err:  # noqa: BLE001
+                    runs[mode, run] = {"error": error_text(err)}
+                log(f"{MODE_TEXT[mode]} {run} process: {time.perf_counter() - started:.1f} s"
+                    + (f" ({runs[mode, run]['error']})" if "error" in runs[mode, run] else ""))
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
     log(f"{'pattern':<12}{'mode':<10}{'cold s':>9}{'warm s':>9}{'warm/cold':>11}")
     for name in ("selection", "nsa"):
         for mode in MODES:
             entry = {"pattern": name, "mode": mode, "platform": platform, "seq_len": seq_len}
             for run in ("cold", "warm"):
-                found = runs.get(run, {})
+                found = runs.get((mode, run), {})
                 value = found.get(name, {}).get(f"{mode}_first_call_s") if isinstance(found.get(name), dict) else None
                 entry[f"{run}_s"] = value
                 error = found.get("error") or (found.get(name) or {}).get("error")
@@ -997,6 +1001,7 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, Settings]:
     parser.add_argument("--work-dir", help="where input files for the PyTorch worker go (default: the temp dir)")
     parser.add_argument("--plot-only", metavar="JSON", help="redraw the plot of an earlier run's JSON and exit")
     parser.add_argument("--first-call-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--coldstart-mode", choices=MODES, default="fwd", help=argparse.SUPPRESS)
     parser.add_argument("--settings-json", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
@@ -1034,7 +1039,7 @@ def main(argv=None) -> None:
     if s.device == "cpu":
         os.environ["JAX_PLATFORMS"] = "cpu"
     if args.first_call_child:
-        first_call_child(s, args.coldstart_platform)
+        first_call_child(s, args.coldstart_platform, args.coldstart_mode)
         return
     if args.plot_only:
         with open(args.plot_only) as f:
