@@ -173,6 +173,20 @@ def test_racing_compilations_leave_one_valid_entry(wrapper, tmp_path, rng):
     assert runs(real_dir) == before
 
 
+def test_a_ptxas_found_through_a_relative_path_entry_is_named_absolutely(tmp_path, monkeypatch):
+    (tmp_path / "cuda" / "bin").mkdir(parents=True)
+    (tmp_path / "cuda" / "bin" / "ptxas").write_text(STAND_IN)
+    (tmp_path / "cuda" / "bin" / "ptxas").chmod(0o755)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", f"cuda/bin{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("NSA_DSL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("NSA_DSL_PTXAS_CACHE", raising=False)
+    ptxas_cache.install.cache_clear()
+    installed = ptxas_cache.install()
+    ptxas_cache.install.cache_clear()
+    assert f"real={shlex.quote(str(tmp_path / 'cuda' / 'bin' / 'ptxas'))}\n" in installed.read_text()
+
+
 @pytest.mark.parametrize("reason", ["switched off", "no ptxas on PATH"])
 def test_without_a_wrapper_to_install_path_is_untouched(wrapper, tmp_path, monkeypatch, reason):
     _, real_dir = wrapper

@@ -49,7 +49,7 @@ def install() -> Path | None:
     if real is None or shutil.which("sha256sum") is None:
         return None
     try:
-        wrapper = _write_wrapper(Path(real))
+        wrapper = _write_wrapper(Path(real).absolute())  # XLA may run it from another directory
     except OSError as err:
         warnings.warn(f"nsa_dsl: ptxas outputs are not cached on disk ({err})", stacklevel=2)
         return None
