@@ -791,7 +791,8 @@ def run_coldstart(s: Settings, args: argparse.Namespace, report: Report, budget:
     runs = {}
     for mode in MODES:
         root = tempfile.mkdtemp(prefix="bench_gpu_cold_", dir=args.work_dir)
-        env = {**os.environ, "NSA_DSL_CACHE_DIR": os.path.join(root, "nsa_dsl"), "TRITON_CACHE_DIR": os.path.join(root, "triton")}
+        env = {**os.environ, "NSA_DSL_CACHE_DIR": os.path.join(root, "nsa_dsl"),
+               "TRITON_CACHE_DIR": os.path.join(root, "triton")}
         env.pop("JAX_COMPILATION_CACHE_DIR", None)
         if s.device == "cpu":
             env["JAX_PLATFORMS"] = "cpu"

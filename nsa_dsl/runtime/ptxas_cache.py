@@ -44,7 +44,8 @@ def install() -> Path | None:
     is switched off or cannot serve (no ptxas on PATH, no sha256sum, an unwritable cache)."""
     if os.environ.get("NSA_DSL_PTXAS_CACHE") == "0":
         return None
-    search_path = os.pathsep.join(entry for entry in os.environ.get("PATH", "").split(os.pathsep) if not _is_wrapper_dir(entry))
+    entries = os.environ.get("PATH", "").split(os.pathsep)
+    search_path = os.pathsep.join(entry for entry in entries if not _is_wrapper_dir(entry))
     real = shutil.which("ptxas", path=search_path)
     if real is None or shutil.which("sha256sum") is None:
         return None

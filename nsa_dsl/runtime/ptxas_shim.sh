@@ -19,7 +19,8 @@ for arg in "$@"; do
   fi
   case $arg in
     -o) want_output=1 ;;
-    -*) options="$options $arg" ;;
+    -*) options="$options
+$arg" ;;
     *)
       [ -z "$input" ] || exec "$real" "$@"
       input=$arg
