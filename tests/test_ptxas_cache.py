@@ -29,20 +29,29 @@ echo "ptxas info: used $(wc -c < "$input") bytes of registers" >&2
 """
 
 
-@pytest.fixture
-def wrapper(tmp_path, monkeypatch, rng):
-    """Installs the wrapper in front of the stand-in; returns (wrapper path, stand-in directory)."""
-    real_dir = tmp_path / "cuda" / "bin"
-    real_dir.mkdir(parents=True)
-    stand_in = real_dir / "ptxas"
-    stand_in.write_text(STAND_IN)
-    stand_in.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{real_dir}{os.pathsep}{os.environ['PATH']}")
+def stand_in_ptxas(directory: Path) -> Path:
+    directory.mkdir(parents=True)
+    (directory / "ptxas").write_text(STAND_IN)
+    (directory / "ptxas").chmod(0o755)
+    return directory
+
+
+def install_before(path_entry: str, tmp_path: Path, monkeypatch) -> Path | None:
+    """ptxas_cache.install() in a process whose PATH starts with `path_entry` and whose cache is tmp_path/cache."""
+    monkeypatch.setenv("PATH", f"{path_entry}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("NSA_DSL_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("NSA_DSL_PTXAS_CACHE", raising=False)
     ptxas_cache.install.cache_clear()
     installed = ptxas_cache.install()
     ptxas_cache.install.cache_clear()
+    return installed
+
+
+@pytest.fixture
+def wrapper(tmp_path, monkeypatch):
+    """Installs the wrapper in front of the stand-in; returns (wrapper path, stand-in directory)."""
+    real_dir = stand_in_ptxas(tmp_path / "cuda" / "bin")
+    installed = install_before(str(real_dir), tmp_path, monkeypatch)
     assert installed is not None
     return installed, real_dir
 
@@ -174,16 +183,9 @@ def test_racing_compilations_leave_one_valid_entry(wrapper, tmp_path, rng):
 
 
 def test_a_ptxas_found_through_a_relative_path_entry_is_named_absolutely(tmp_path, monkeypatch):
-    (tmp_path / "cuda" / "bin").mkdir(parents=True)
-    (tmp_path / "cuda" / "bin" / "ptxas").write_text(STAND_IN)
-    (tmp_path / "cuda" / "bin" / "ptxas").chmod(0o755)
+    stand_in_ptxas(tmp_path / "cuda" / "bin")
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("PATH", f"cuda/bin{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setenv("NSA_DSL_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.delenv("NSA_DSL_PTXAS_CACHE", raising=False)
-    ptxas_cache.install.cache_clear()
-    installed = ptxas_cache.install()
-    ptxas_cache.install.cache_clear()
+    installed = install_before("cuda/bin", tmp_path, monkeypatch)
     assert f"real={shlex.quote(str(tmp_path / 'cuda' / 'bin' / 'ptxas'))}\n" in installed.read_text()
 
 
@@ -244,12 +246,7 @@ def test_the_real_ptxas_gives_the_same_binary_through_the_wrapper(tmp_path, monk
     bin_dir = tmp_path / "cuda" / "bin"
     bin_dir.mkdir(parents=True)
     (bin_dir / "ptxas").symlink_to(real)
-    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setenv("NSA_DSL_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.delenv("NSA_DSL_PTXAS_CACHE", raising=False)
-    ptxas_cache.install.cache_clear()
-    installed = ptxas_cache.install()
-    ptxas_cache.install.cache_clear()
+    installed = install_before(str(bin_dir), tmp_path, monkeypatch)
     source = tmp_path / "add_one.ptx"
     source.write_text(REAL_PTX)
     direct = compile_ptx(real, source, tmp_path / "direct.cubin")
