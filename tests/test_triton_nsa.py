@@ -19,6 +19,13 @@ from conftest import assert_close, gate, normal, qkv
 from nsa_reference import MEANPOOL, PAPER, NsaSpec, chosen_scores, nsa_gradients, nsa_reference
 
 import nsa_dsl
+from nsa_dsl import codegen
+from nsa_dsl.runtime import triton_glue
+from nsa_dsl.runtime.platform import for_device
+
+triton_glue.prepare_kernels()  # before triton's import: without a GPU, its interpreter
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 # (forward, gradients, selection scores' rtol): float16 kernels round q.k inputs, pooled keys,
 # p and ds to float16, so near-tied blocks may swap and their scores differ by that much.
@@ -184,3 +191,35 @@ def test_native_sparse_attention_with_g_cmp(rng):
     np.testing.assert_allclose(chosen_scores(scores, chosen), chosen_scores(scores, ref_chosen), rtol=1e-4, atol=1e-6)
     expected, _, _, _ = nsa_reference(q, k, v, spec, gates={"cmp": g_cmp, "slc": g_slc}, selected=chosen)
     assert_close(out, expected, TOLERANCE[np.float32][0], "output")
+
+
+@triton.jit
+def walk_chunks(keys, kept, keep_best: tl.constexpr, CHUNKS: tl.constexpr, CHUNK: tl.constexpr, COUNT: tl.constexpr):
+    """Rows [4 * program, 4 * program + 4) of keys [rows, CHUNKS * CHUNK]: their COUNT highest keys,
+    highest first, by the top-k's running best over chunks of CHUNK candidates."""
+    row = tl.program_id(0) * 4 + tl.arange(0, 4)
+    best = -1.0 - (row[:, None] * 0 + tl.arange(0, COUNT)[None, :]).to(tl.float64)  # empty slots
+    for c in range(CHUNKS):
+        chunk_at = row[:, None] * (CHUNKS * CHUNK) + c * CHUNK + tl.arange(0, CHUNK)[None, :]
+        best = keep_best(best, tl.load(keys + chunk_at), COUNT)
+    tl.store(kept + row[:, None] * COUNT + tl.arange(0, COUNT)[None, :], tl.sort(best, 1, descending=True))
+
+
+@pytest.mark.skipif(triton_glue.on_gpu(), reason="numpy buffers: Triton's interpreter only")
+def test_keep_best_keeps_the_highest_keys_of_every_chunk(rng):
+    """The top-k's running best (keep_best) over chunks of candidate keys, in both of its ways:
+    one at a time where few of every row's candidates beat its lowest kept key, a bitonic top-k
+    otherwise. Each program holds four rows whose chunks need different numbers of insertions
+    (random order, ascending order, few valid candidates), against numpy's sort."""
+    source = "pattern p\nblock 16\nbranch c = compress(block=16, stride=16)\nbranch s = topk(16, block=16, score=c)"
+    module = codegen.load_module("triton", nsa_dsl.compile(source).plan, for_device(None))
+    rows, chunks, chunk, count = 8, 12, 64, 16
+    # Distinct keys in [2**62, 2**63) as doubles, as the kernel's; invalid candidates negative.
+    keys = 4.6e18 * (1.0 + rng.permutation(rows * chunks * chunk).reshape(rows, -1) / (rows * chunks * chunk))
+    keys[1] = np.sort(keys[1])  # every chunk beats the kept keys: the bitonic way for its program
+    keys[2, 5 * chunk:] = -100.0 - np.arange(keys.shape[1] - 5 * chunk)  # no valid candidate after chunk 5
+    keys[6, : 6 * chunk] = -100.0 - np.arange(6 * chunk)  # valid candidates from chunk 6: the others insert by then
+    kept = np.zeros((rows, count))
+    walk_chunks[(rows // 4,)](
+        triton_glue.HostBuffer(keys), triton_glue.HostBuffer(kept), module.keep_best, chunks, chunk, count)
+    np.testing.assert_array_equal(kept, -np.sort(-keys, axis=1)[:, :count])
