@@ -207,18 +207,17 @@ def walk_chunks(keys, kept, keep_best: tl.constexpr, CHUNKS: tl.constexpr, CHUNK
 
 @pytest.mark.skipif(triton_glue.on_gpu(), reason="numpy buffers: Triton's interpreter only")
 def test_keep_best_keeps_the_highest_keys_of_every_chunk(rng):
-    """The top-k's running best (keep_best) over chunks of candidate keys, in both of its ways:
-    one at a time where few of every row's candidates beat its lowest kept key, a bitonic top-k
-    otherwise. Each program holds four rows whose chunks need different numbers of insertions
-    (random order, ascending order, few valid candidates), against numpy's sort."""
+    """The top-k's running best (keep_best) over chunks of candidate keys, against numpy's sort:
+    rows in random order, in ascending order (every chunk beats all kept keys), with valid
+    candidates only in the first or only in the last chunks."""
     source = "pattern p\nblock 16\nbranch c = compress(block=16, stride=16)\nbranch s = topk(16, block=16, score=c)"
     module = codegen.load_module("triton", nsa_dsl.compile(source).plan, for_device(None))
     rows, chunks, chunk, count = 8, 12, 64, 16
     # Distinct keys in [2**62, 2**63) as doubles, as the kernel's; invalid candidates negative.
     keys = 4.6e18 * (1.0 + rng.permutation(rows * chunks * chunk).reshape(rows, -1) / (rows * chunks * chunk))
-    keys[1] = np.sort(keys[1])  # every chunk beats the kept keys: the bitonic way for its program
+    keys[1] = np.sort(keys[1])
     keys[2, 5 * chunk:] = -100.0 - np.arange(keys.shape[1] - 5 * chunk)  # no valid candidate after chunk 5
-    keys[6, : 6 * chunk] = -100.0 - np.arange(6 * chunk)  # valid candidates from chunk 6: the others insert by then
+    keys[6, : 6 * chunk] = -100.0 - np.arange(6 * chunk)  # valid candidates only from chunk 6
     kept = np.zeros((rows, count))
     walk_chunks[(rows // 4,)](
         triton_glue.HostBuffer(keys), triton_glue.HostBuffer(kept), module.keep_best, chunks, chunk, count)
