@@ -136,6 +136,9 @@ def static_pattern(name):
         "window+global": (64, True, [(model.Union((W(200), G(1))), model.Gate("g_swa", None))]),
         "nested bidir": (32, False, [(model.Difference(model.Union((L(2, 1), G(1), R(2, 3))), model.Intersection((S(2, 1), W(40, 40)))), None)]),
         "two gated": (64, True, [(W(100), model.Gate("g_swa", None)), (model.Intersection((W(400), S(2))), model.Gate("g_slc", None))]),
+        # trailing windows: the forward runs the Hopper (Mosaic GPU) kernel where it applies
+        "window": (64, True, [(W(300), None)]),
+        "causal": (64, True, [(L(2**31 - 1), None)]),
     }
     block, causal, branches = patterns[name]
     pattern = model.Pattern("check", block, causal, (), tuple(model.Branch(f"b{i}", keys, g) for i, (keys, g) in enumerate(branches)))
@@ -147,6 +150,8 @@ STATIC_CASES = [
     ("window+global", 1, 555, 8, 2, 64, None),
     ("nested bidir", 2, 300, 6, 2, 100, None),
     ("two gated", 1, 700, 16, 1, 128, [0, 15, 205, 550, 690]),
+    ("window", 2, 1024, 16, 2, 128, None),
+    ("causal", 1, 768, 12, 3, 64, None),
 ]
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import reference
 from conftest import assert_close, gate, normal, qkv
 
@@ -22,8 +23,8 @@ from nsa_dsl.api import SparseAttention
 from nsa_dsl.config import NativeSparseAttentionConfig
 from nsa_dsl.dsl import model
 from nsa_dsl.plan import lower, lower_keys
-from nsa_dsl.plan.ranges import EVERY_KEY, MAX_TOKENS, KeyRanges, key_ranges, static_launches
-from nsa_dsl.runtime import dispatch
+from nsa_dsl.plan.ranges import EVERY_KEY, MAX_TOKENS, KeyRanges, key_ranges, static_launches, trailing_window
+from nsa_dsl.runtime import dispatch, triton_glue
 from nsa_dsl.runtime.platform import for_device
 
 W, L, S, G, BL, R = model.Window, model.Local, model.Stride, model.Global, model.Blocks, model.Random
@@ -202,6 +203,54 @@ def test_fused_ranges_that_miss_the_query_float16(rng):
     # the window's reach past every sequence is clamped (kernels compute positions in int32)
     attention = compiled([W(0, 5), U(L(1, 1), W(2, 2**31 - 1))], causal=False, gates=gates, tiles=(32, 16))
     check(rng, attention, *qkv(rng, 1, 50, 2, 2, 16, dtype=np.float16), gates={"g_swa": gate(rng, 1, 50, 2)})
+
+
+# ---- the Hopper forward of trailing windows -----------------------------------------------------
+
+
+def test_only_trailing_windows_of_causal_patterns_have_a_hopper_forward():
+    def window(keys_by_branch, causal=True):
+        attention = compiled(keys_by_branch, causal=causal)
+        (launch, *_) = static_launches(attention.plan)
+        return trailing_window(launch, causal), "def hopper_window_forward(" in codegen.source(
+            "triton", attention.plan, None)
+
+    assert window([W(512)]) == (512, True)
+    assert window([L(2**31 - 1)]) == (MAX_TOKENS, True)  # plain causal: every key up to the query
+    for keys, causal in (([W(8, 2)], True), ([U(W(5), G(1))], True), ([U(W(5), L(2))], True), ([W(5)], False),
+                         ([W(5), W(9)], True), ([R(1, 0)], True)):
+        assert window(keys, causal) == (None, False), keys
+
+
+@pytest.mark.parametrize("keys", [W(512), L(2**31 - 1)])
+def test_hopper_forward_lowers_for_cuda(keys):
+    """Mosaic GPU kernels run only on a Hopper GPU, and jax 0.10's Mosaic GPU interpreter lacks the
+    transposed shared-memory operand of wgmma: on the CPU, the kernel is lowered for CUDA (Pallas
+    to Mosaic GPU, layouts included); tests/test_triton_static.py's GPU test runs it."""
+    pytest.importorskip("absl")  # Mosaic GPU's lowering logs through absl
+    attention = compiled([keys])
+    module = codegen.load_module("triton", attention.plan, for_device(attention.config))
+    for rows, heads_kv, group, head_dim, dtype in ((2 * 256, 2, 3, 64, jnp.float16), (1024, 1, 16, 128, jnp.bfloat16)):
+        spec = module.Static(module.static_kernels_b0, heads_kv, group, head_dim, False, seq_len=256)
+        q = jax.ShapeDtypeStruct((rows, heads_kv * group, head_dim), dtype)
+        k = jax.ShapeDtypeStruct((rows, heads_kv, head_dim), dtype)
+        scale = jax.ShapeDtypeStruct((1,), jnp.float32)
+        forward = jax.jit(lambda q, k, v, scale: module.hopper_window_forward(spec, q, k, v, scale))
+        text = forward.trace(q, k, k, scale).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text
+
+
+@pytest.mark.skipif(not triton_glue.hopper(), reason="Mosaic GPU forward: a Hopper GPU only")
+@pytest.mark.parametrize("keys", [W(200), L(2**31 - 1)])
+def test_hopper_forward_of_trailing_windows(rng, monkeypatch, keys):
+    attention = compiled([keys])
+    module = codegen.load_module("triton", attention.plan, for_device(attention.config))
+    forward = module.hopper_window_forward
+    calls = []
+    monkeypatch.setattr(module, "hopper_window_forward", lambda *args: calls.append(1) or forward(*args))
+    for batch, heads_q, heads_kv, head_dim in ((2, 4, 4, 64), (1, 32, 2, 128)):
+        check(rng, attention, *qkv(rng, batch, 384, heads_q, heads_kv, head_dim, dtype=np.float16))
+    assert calls, "the Hopper forward did not run"
 
 
 # ---- table branches ----------------------------------------------------------------------------

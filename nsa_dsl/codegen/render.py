@@ -21,12 +21,14 @@ import jinja2
 
 from ..dsl import model
 from ..plan import plan as plan_module
-from ..plan.ranges import static_launches, tabled_branches
+from ..plan.ranges import static_launches, tabled_branches, trailing_window
 from ..resources import templates_dir
 
 # Python the templates call to decide what goes in: how a plan's static branches run (triton),
-# which branches' host tables the kernels read.
-_TEMPLATE_GLOBALS = {"static_launches": static_launches, "tabled_branches": tabled_branches}
+# which branches' host tables the kernels read, which launches have a Hopper forward.
+_TEMPLATE_GLOBALS = {
+    "static_launches": static_launches, "tabled_branches": tabled_branches, "trailing_window": trailing_window,
+}
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 

@@ -170,6 +170,22 @@ def static_launches(plan: Plan) -> tuple[StaticLaunch, ...]:
     return tuple(launches)
 
 
+def trailing_window(launch: StaticLaunch, causal: bool) -> int | None:
+    """w when `launch` is one branch of a causal pattern whose query at position t sees exactly the
+    keys (t - w, t] of its sequence (MAX_TOKENS: every key up to t; plain `causal` and sliding
+    windows); None for any other launch. The GPU module has a Hopper forward kernel for these
+    (templates/triton/hopper_window.py.j2)."""
+    if not causal or launch.fused or launch.ranges is None:
+        return None
+    (ranges,) = launch.ranges
+    if ranges.everything:
+        return MAX_TOKENS
+    window_only = ranges.prefix_blocks == 0 and ranges.local is None and ranges.progression is None
+    if window_only and ranges.window is not None and ranges.window.right == 0:
+        return ranges.window.left
+    return None
+
+
 def tabled_branches(plan: Plan, ranges_in_kernel: bool) -> tuple[str, ...]:
     """Names of the branches whose kernels read a host table: every static branch (its block
     table) and top-k branch (its forced blocks), except, where the kernels compute key ranges

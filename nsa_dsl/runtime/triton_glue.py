@@ -36,6 +36,18 @@ def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
+def hopper() -> bool:
+    """Whether the GPU is a Hopper (sm_90), which runs the Mosaic GPU kernels of the GPU module
+    (templates/triton/hopper_window.py.j2), unless NSA_DSL_HOPPER=0 (read when a pattern's
+    kernels are traced)."""
+    return os.environ.get("NSA_DSL_HOPPER") != "0" and _compute_capability() == "9.0"
+
+
+@functools.lru_cache(maxsize=None)
+def _compute_capability() -> str | None:
+    return getattr(jax.devices()[0], "compute_capability", None) if on_gpu() else None
+
+
 @functools.lru_cache(maxsize=None)
 def _device_memory_bytes() -> int | None:
     """Memory of the first local device as its allocator reports it; None where it reports none (a CPU)."""
