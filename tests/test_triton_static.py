@@ -240,7 +240,7 @@ def test_hopper_forward_lowers_for_cuda(keys):
         assert "mosaic_gpu" in text
 
 
-@pytest.mark.skipif(not triton_glue.hopper(), reason="Mosaic GPU forward: a Hopper GPU only")
+@pytest.mark.skipif(not triton_glue.on_hopper(), reason="Mosaic GPU forward: a Hopper GPU only")
 @pytest.mark.parametrize("keys", [W(200), L(2**31 - 1)])
 def test_hopper_forward_of_trailing_windows(rng, monkeypatch, keys):
     attention = compiled([keys])

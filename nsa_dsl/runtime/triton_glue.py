@@ -36,7 +36,7 @@ def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
-def hopper() -> bool:
+def on_hopper() -> bool:
     """Whether the GPU is a Hopper (sm_90), which runs the Mosaic GPU kernels of the GPU module
     (templates/triton/hopper_window.py.j2), unless NSA_DSL_HOPPER=0 (read when a pattern's
     kernels are traced)."""
