@@ -222,6 +222,21 @@ def test_only_trailing_windows_of_causal_patterns_have_a_hopper_forward():
         assert window(keys, causal) == (None, False), keys
 
 
+def test_hopper_forward_needs_sm90_mosaic_gpu_and_no_opt_out(monkeypatch):
+    monkeypatch.setattr(triton_glue, "_compute_capability", lambda: "9.0")
+    monkeypatch.setattr(triton_glue, "_mosaic_gpu_importable", lambda: True)
+    monkeypatch.delenv("NSA_DSL_HOPPER", raising=False)
+    assert triton_glue.on_hopper()
+    monkeypatch.setenv("NSA_DSL_HOPPER", "0")
+    assert not triton_glue.on_hopper()
+    monkeypatch.setenv("NSA_DSL_HOPPER", "1")
+    monkeypatch.setattr(triton_glue, "_mosaic_gpu_importable", lambda: False)  # no absl: Triton runs
+    assert not triton_glue.on_hopper()
+    monkeypatch.setattr(triton_glue, "_mosaic_gpu_importable", lambda: True)
+    monkeypatch.setattr(triton_glue, "_compute_capability", lambda: "10.0")  # wgmma is Hopper's
+    assert not triton_glue.on_hopper()
+
+
 @pytest.mark.parametrize("keys", [W(512), L(2**31 - 1)])
 def test_hopper_forward_lowers_for_cuda(keys):
     """Mosaic GPU kernels run only on a Hopper GPU, and jax 0.10's Mosaic GPU interpreter lacks the

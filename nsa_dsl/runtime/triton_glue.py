@@ -37,15 +37,26 @@ def on_gpu() -> bool:
 
 
 def on_hopper() -> bool:
-    """Whether the GPU is a Hopper (sm_90), which runs the Mosaic GPU kernels of the GPU module
+    """Whether the GPU is a Hopper (sm_90) that can run the Mosaic GPU kernels of the GPU module
     (templates/triton/hopper_window.py.j2), unless NSA_DSL_HOPPER=0 (read when a pattern's
     kernels are traced)."""
-    return os.environ.get("NSA_DSL_HOPPER") != "0" and _compute_capability() == "9.0"
+    return os.environ.get("NSA_DSL_HOPPER") != "0" and _compute_capability() == "9.0" and _mosaic_gpu_importable()
 
 
 @functools.lru_cache(maxsize=None)
 def _compute_capability() -> str | None:
     return getattr(jax.devices()[0], "compute_capability", None) if on_gpu() else None
+
+
+@functools.lru_cache(maxsize=None)
+def _mosaic_gpu_importable() -> bool:
+    """Pallas' Mosaic GPU imports absl, which jax does not depend on (the `gpu` extra brings it):
+    without it the Triton kernels run."""
+    try:
+        from jax.experimental.pallas import mosaic_gpu  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 @functools.lru_cache(maxsize=None)
