@@ -49,6 +49,13 @@ def _compute_capability() -> str | None:
 
 
 @functools.lru_cache(maxsize=None)
+def multiprocessors() -> int:
+    """The GPU's streaming multiprocessors: a persistent kernel's CTAs. Without a GPU (a kernel
+    lowered for CUDA on a CPU, as CI does) an H100/H200's 132."""
+    return getattr(jax.devices()[0], "core_count", 132) if on_gpu() else 132
+
+
+@functools.lru_cache(maxsize=None)
 def _mosaic_gpu_importable() -> bool:
     """Pallas' Mosaic GPU imports absl, which jax does not depend on (the `gpu` extra brings it):
     without it the Triton kernels run."""
