@@ -970,9 +970,9 @@ def versions(s: Settings) -> dict:
     found["device"] = devices[0].device_kind
     from nsa_dsl.runtime import triton_glue
 
-    # Trailing windows (causal, window(w)) run their forward in the Mosaic GPU kernel on a Hopper
+    # Trailing windows (causal, window(w)) run forward and backward in Mosaic GPU kernels on a Hopper
     # (templates/triton/hopper_window.py.j2) unless NSA_DSL_HOPPER=0: the "nsa_dsl triton" rows say which.
-    found["nsa_dsl_hopper_forward"] = triton_glue.on_hopper()
+    found["nsa_dsl_hopper_kernels"] = triton_glue.on_hopper()
     try:
         found["git"] = subprocess.run(["git", "-C", REPO_ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
                                       text=True, timeout=10, check=False).stdout.strip() or None

@@ -11,6 +11,8 @@ union, both segments of a progression -- runs on these short sequences."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -208,7 +210,7 @@ def test_fused_ranges_that_miss_the_query_float16(rng):
 # ---- the Hopper forward of trailing windows -----------------------------------------------------
 
 
-def test_only_trailing_windows_of_causal_patterns_have_a_hopper_forward():
+def test_only_trailing_windows_of_causal_patterns_have_hopper_kernels():
     def window(keys_by_branch, causal=True):
         attention = compiled(keys_by_branch, causal=causal)
         (launch, *_) = static_launches(attention.plan)
@@ -222,7 +224,7 @@ def test_only_trailing_windows_of_causal_patterns_have_a_hopper_forward():
         assert window(keys, causal) == (None, False), keys
 
 
-def test_hopper_forward_needs_sm90_mosaic_gpu_and_no_opt_out(monkeypatch):
+def test_hopper_kernels_need_sm90_mosaic_gpu_and_no_opt_out(monkeypatch):
     monkeypatch.setattr(triton_glue, "_compute_capability", lambda: "9.0")
     monkeypatch.setattr(triton_glue, "_mosaic_gpu_importable", lambda: True)
     monkeypatch.delenv("NSA_DSL_HOPPER", raising=False)
@@ -238,10 +240,11 @@ def test_hopper_forward_needs_sm90_mosaic_gpu_and_no_opt_out(monkeypatch):
 
 
 @pytest.mark.parametrize("keys", [W(512), L(2**31 - 1)])
-def test_hopper_forward_lowers_for_cuda(keys):
+def test_hopper_kernels_lower_for_cuda(keys):
     """Mosaic GPU kernels run only on a Hopper GPU, and jax 0.10's Mosaic GPU interpreter lacks the
-    transposed shared-memory operand of wgmma: on the CPU, the kernel is lowered for CUDA (Pallas
-    to Mosaic GPU, layouts included); tests/test_triton_static.py's GPU test runs it."""
+    transposed shared-memory operand of wgmma: on the CPU, the forward and backward kernels are
+    lowered for CUDA (Pallas to Mosaic GPU, layouts included); test_hopper_kernels_of_trailing_windows
+    runs them on a GPU."""
     pytest.importorskip("absl")  # Mosaic GPU's lowering logs through absl
     attention = compiled([keys])
     module = codegen.load_module("triton", attention.plan, for_device(attention.config))
@@ -253,20 +256,34 @@ def test_hopper_forward_lowers_for_cuda(keys):
         forward = jax.jit(lambda q, k, v, scale: module.hopper_window_forward(spec, q, k, v, scale))
         text = forward.trace(q, k, k, scale).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text
+        rows = jax.ShapeDtypeStruct(q.shape[:2], jnp.float32)
+        backward = jax.jit(functools.partial(module.hopper_window_backward, spec))
+        text = backward.trace(q, k, k, q, rows, rows, scale).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("mosaic_gpu") >= 2  # the dq and the dk/dv kernels
 
 
-@pytest.mark.skipif(not triton_glue.on_hopper(), reason="Mosaic GPU forward: a Hopper GPU only")
+@pytest.mark.skipif(not triton_glue.on_hopper(), reason="Mosaic GPU kernels: a Hopper GPU only")
 @pytest.mark.parametrize("keys", [W(200), L(2**31 - 1)])
-def test_hopper_forward_of_trailing_windows(rng, monkeypatch, keys):
+def test_hopper_kernels_of_trailing_windows(rng, monkeypatch, keys):
     attention = compiled([keys])
     module = codegen.load_module("triton", attention.plan, for_device(attention.config))
-    forward = module.hopper_window_forward
     calls = []
-    monkeypatch.setattr(module, "hopper_window_forward", lambda *args: calls.append(1) or forward(*args))
+
+    def record(name):
+        kernel = getattr(module, name)
+
+        def recorded(*args):
+            calls.append(name)
+            return kernel(*args)
+
+        monkeypatch.setattr(module, name, recorded)
+
+    record("hopper_window_forward")
+    record("hopper_window_backward")
     # The last shape has more work items (query tiles x heads x rows) than the GPU has CTAs.
     for batch, heads_q, heads_kv, head_dim in ((2, 4, 4, 64), (1, 32, 2, 128), (3, 48, 3, 64)):
         check(rng, attention, *qkv(rng, batch, 384, heads_q, heads_kv, head_dim, dtype=np.float16))
-    assert calls, "the Hopper forward did not run"
+    assert set(calls) == {"hopper_window_forward", "hopper_window_backward"}, "the Hopper kernels did not run"
 
 
 # ---- table branches ----------------------------------------------------------------------------

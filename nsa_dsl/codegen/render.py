@@ -25,7 +25,7 @@ from ..plan.ranges import static_launches, tabled_branches, trailing_window
 from ..resources import templates_dir
 
 # Python the templates call to decide what goes in: how a plan's static branches run (triton),
-# which branches' host tables the kernels read, which launches have a Hopper forward.
+# which branches' host tables the kernels read, which launches have Hopper kernels.
 _TEMPLATE_GLOBALS = {
     "static_launches": static_launches, "tabled_branches": tabled_branches, "trailing_window": trailing_window,
 }

@@ -173,7 +173,7 @@ def static_launches(plan: Plan) -> tuple[StaticLaunch, ...]:
 def trailing_window(launch: StaticLaunch, causal: bool) -> int | None:
     """w when `launch` is one branch of a causal pattern whose query at position t sees exactly the
     keys (t - w, t] of its sequence (MAX_TOKENS: every key up to t; plain `causal` and sliding
-    windows); None for any other launch. The GPU module has a Hopper forward kernel for these
+    windows); None for any other launch. The GPU module has Hopper kernels (forward, backward) for these
     (templates/triton/hopper_window.py.j2)."""
     if not causal or launch.fused or launch.ranges is None:
         return None
