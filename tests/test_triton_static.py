@@ -239,6 +239,38 @@ def test_hopper_kernels_need_sm90_mosaic_gpu_and_no_opt_out(monkeypatch):
     assert not triton_glue.on_hopper()
 
 
+def test_hopper_kernels_cover_every_visible_pair_and_skip_the_mask_only_where_all_are_visible():
+    """The Hopper kernels' schedules, which CI cannot run: for every query tile (forward, dq) the
+    key blocks walked hold every key its rows see, and the steps run without a mask hold only
+    visible pairs; the same for every key tile's query blocks (dk/dv)."""
+    attention = compiled([W(512)])
+    module = codegen.load_module("triton", attention.plan, for_device(attention.config))
+    seq_len, rows = 1024, module.HOPPER_BLOCK_Q
+    for window in (1, 2, 37, 64, 65, 66, 128, 130, 200, 511, 512, 1000, 2**29):
+        bounded = window < seq_len
+        q_pos, k_pos = np.arange(seq_len)[:, None], np.arange(seq_len)[None, :]
+        sees = (k_pos <= q_pos) & ((k_pos > q_pos - window) | (not bounded))
+        for tile_first in range(0, seq_len, 2 * rows):
+            tile_rows = sees[tile_first : tile_first + 2 * rows]
+            for block in (module.HOPPER_BACKWARD_STEP, module.HOPPER_BLOCK_KV):
+                first_block, steps = (int(x) for x in module._tile_keys(tile_first, window, bounded, block))
+                walked = slice(first_block * block, (first_block + steps) * block)
+                assert tile_rows.sum() == tile_rows[:, walked].sum()
+                for first_row in (tile_first, tile_first + rows):
+                    lower, upper = module._unmasked_steps(first_row, first_block, steps, window, bounded, block)
+                    for step in range(int(lower), int(upper)):
+                        keys = slice((first_block + step) * block, (first_block + step + 1) * block)
+                        assert sees[first_row : first_row + rows, keys].all(), (window, first_row, block, step)
+            block = module.HOPPER_BACKWARD_STEP
+            spans = module._tile_queries(tile_first, window, bounded, seq_len, block)
+            first, end, lower, upper = (int(x) for x in spans)
+            tile_keys = sees[:, tile_first : tile_first + 2 * rows]
+            assert tile_keys.sum() == tile_keys[first * block : end * block].sum() and end * block <= seq_len
+            for query_block in range(lower, upper):
+                queries = slice(query_block * block, (query_block + 1) * block)
+                assert tile_keys[queries].all(), (window, tile_first, query_block)
+
+
 @pytest.mark.parametrize("keys", [W(512), L(2**31 - 1)])
 def test_hopper_kernels_lower_for_cuda(keys):
     """Mosaic GPU kernels run only on a Hopper GPU, and jax 0.10's Mosaic GPU interpreter lacks the
