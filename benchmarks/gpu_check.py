@@ -136,7 +136,7 @@ def static_pattern(name):
         "window+global": (64, True, [(model.Union((W(200), G(1))), model.Gate("g_swa", None))]),
         "nested bidir": (32, False, [(model.Difference(model.Union((L(2, 1), G(1), R(2, 3))), model.Intersection((S(2, 1), W(40, 40)))), None)]),
         "two gated": (64, True, [(W(100), model.Gate("g_swa", None)), (model.Intersection((W(400), S(2))), model.Gate("g_slc", None))]),
-        # trailing windows: the forward runs the Hopper (Mosaic GPU) kernel where it applies
+        # trailing windows: forward and backward run the Hopper (Mosaic GPU) kernels where they apply
         "window": (64, True, [(W(300), None)]),
         "causal": (64, True, [(L(2**31 - 1), None)]),
     }
