@@ -140,6 +140,7 @@ def static_pattern(name):
         "window": (64, True, [(W(300), None)]),
         "causal": (64, True, [(L(2**31 - 1), None)]),
     }
+    patterns["window packed"], patterns["causal ragged"] = patterns["window"], patterns["causal"]
     block, causal, branches = patterns[name]
     pattern = model.Pattern("check", block, causal, (), tuple(model.Branch(f"b{i}", keys, g) for i, (keys, g) in enumerate(branches)))
     return SparseAttention(pattern, lower(pattern)), [g.name for _, g in branches if g is not None]
@@ -152,6 +153,8 @@ STATIC_CASES = [
     ("two gated", 1, 700, 16, 1, 128, [0, 15, 205, 550, 690]),
     ("window", 2, 1024, 16, 2, 128, None),
     ("causal", 1, 768, 12, 3, 64, None),
+    ("window packed", 1, 1000, 16, 2, 128, [0, 100, 101, 477, 900]),  # rows past the last sequence too
+    ("causal ragged", 2, 700, 12, 3, 64, None),  # a length that no tile of the kernels divides
 ]
 
 

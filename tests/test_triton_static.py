@@ -239,36 +239,66 @@ def test_hopper_kernels_need_sm90_mosaic_gpu_and_no_opt_out(monkeypatch):
     assert not triton_glue.on_hopper()
 
 
-def test_hopper_kernels_cover_every_visible_pair_and_skip_the_mask_only_where_all_are_visible():
+# (rows of the batch row, cu_seqlens or None): whole tiles; a ragged length; packed sequences with
+# boundaries inside tiles, an empty one and rows past the last; packed sequences on tile edges but
+# one, which ends a row before a block's edge.
+HOPPER_LAYOUTS = [
+    (1024, None), (1000, None), (1000, (0, 37, 300, 300, 301, 383, 700, 905)), (1024, (0, 256, 447, 512, 1024))
+]
+
+
+@pytest.mark.parametrize("seq_len, cu_seqlens", HOPPER_LAYOUTS)
+def test_hopper_kernels_cover_every_visible_pair_and_skip_the_mask_only_where_all_are_visible(seq_len, cu_seqlens):
     """The Hopper kernels' schedules, which CI cannot run: for every query tile (forward, dq) the
     key blocks walked hold every key its rows see, and the steps run without a mask hold only
-    visible pairs; the same for every key tile's query blocks (dk/dv)."""
+    visible pairs; the same for every key tile's query blocks (dk/dv). Rows and keys past the batch
+    row count for nothing (TMA drops their stores; zero q and d_out add nothing to dk/dv); with
+    cu_seqlens, rows past its end are real rows that see nothing and that no query sees."""
     attention = compiled([W(512)])
     module = codegen.load_module("triton", attention.plan, for_device(attention.config))
-    seq_len, rows = 1024, module.HOPPER_BLOCK_Q
+    rows = module.HOPPER_BLOCK_Q
+    padded = -(-seq_len // (2 * rows)) * 2 * rows
+    packed = cu_seqlens is not None
+    spec = module.Static(module.static_kernels_b0, 1, 1, 64, packed, seq_len=seq_len)
+    if packed:
+        starts, ends = (np.asarray(x)[0] for x in module._sequence_rows(spec, jnp.asarray(cu_seqlens, jnp.int32), padded))
+    else:
+        starts, ends = np.zeros(padded, np.int32), np.full(padded, seq_len, np.int32)
+    q_pos, k_pos = np.arange(padded)[:, None], np.arange(padded)[None, :]
+    in_row = (q_pos < seq_len) & (k_pos < seq_len)
     for window in (1, 2, 37, 64, 65, 66, 128, 130, 200, 511, 512, 1000, 2**29):
         bounded = window < seq_len
-        q_pos, k_pos = np.arange(seq_len)[:, None], np.arange(seq_len)[None, :]
-        sees = (k_pos <= q_pos) & ((k_pos > q_pos - window) | (not bounded))
-        for tile_first in range(0, seq_len, 2 * rows):
+        sees = (k_pos <= q_pos) & (k_pos >= starts[:, None]) & ((k_pos > q_pos - window) | (not bounded)) & in_row
+        assert (sees.any(axis=1) == (starts <= np.arange(padded)) & (np.arange(padded) < seq_len)).all()
+
+        def first_seen(query):
+            return module._first_seen(query, starts[query], window, bounded)
+
+        def past_seen(key):
+            return module._past_seen(key, ends[key], window, bounded)
+
+        for tile_first in range(0, padded, 2 * rows):
             tile_rows = sees[tile_first : tile_first + 2 * rows]
             for block in (module.HOPPER_BACKWARD_STEP, module.HOPPER_BLOCK_KV):
-                first_block, steps = (int(x) for x in module._tile_keys(tile_first, window, bounded, block))
+                first_block, steps = (int(x) for x in module._tile_keys(tile_first, first_seen(tile_first), block))
                 walked = slice(first_block * block, (first_block + steps) * block)
-                assert tile_rows.sum() == tile_rows[:, walked].sum()
+                assert steps >= 1 and tile_rows.sum() == tile_rows[:, walked].sum()
                 for first_row in (tile_first, tile_first + rows):
-                    lower, upper = module._unmasked_steps(first_row, first_block, steps, window, bounded, block)
+                    last_first_seen = first_seen(first_row + rows - 1)
+                    lower, upper = module._unmasked_steps(first_row, last_first_seen, first_block, steps, block)
+                    kept = slice(first_row, min(first_row + rows, seq_len))
                     for step in range(int(lower), int(upper)):
                         keys = slice((first_block + step) * block, (first_block + step + 1) * block)
-                        assert sees[first_row : first_row + rows, keys].all(), (window, first_row, block, step)
+                        assert sees[kept, keys].all(), (window, first_row, block, step)
             block = module.HOPPER_BACKWARD_STEP
-            spans = module._tile_queries(tile_first, window, bounded, seq_len, block)
+            spans = module._tile_queries(tile_first, past_seen(tile_first), past_seen(tile_first + 2 * rows - 1), block)
             first, end, lower, upper = (int(x) for x in spans)
             tile_keys = sees[:, tile_first : tile_first + 2 * rows]
-            assert tile_keys.sum() == tile_keys[first * block : end * block].sum() and end * block <= seq_len
+            assert first < end and tile_keys.sum() == tile_keys[first * block : end * block].sum()
+            kept_keys = slice(tile_first, min(tile_first + 2 * rows, seq_len))
             for query_block in range(lower, upper):
-                queries = slice(query_block * block, (query_block + 1) * block)
-                assert tile_keys[queries].all(), (window, tile_first, query_block)
+                queries = slice(query_block * block, min((query_block + 1) * block, seq_len))
+                assert sees[queries, kept_keys].all(), (window, tile_first, query_block)
 
 
 @pytest.mark.parametrize("keys", [W(512), L(2**31 - 1)])
@@ -280,16 +310,20 @@ def test_hopper_kernels_lower_for_cuda(keys):
     pytest.importorskip("absl")  # Mosaic GPU's lowering logs through absl
     attention = compiled([keys])
     module = codegen.load_module("triton", attention.plan, for_device(attention.config))
-    for rows, heads_kv, group, head_dim, dtype in ((2 * 256, 2, 3, 64, jnp.float16), (1024, 1, 16, 128, jnp.bfloat16)):
-        spec = module.Static(module.static_kernels_b0, heads_kv, group, head_dim, False, seq_len=256)
-        q = jax.ShapeDtypeStruct((rows, heads_kv * group, head_dim), dtype)
-        k = jax.ShapeDtypeStruct((rows, heads_kv, head_dim), dtype)
+    cases = ((2, 256, 2, 3, 64, jnp.float16, None), (1, 1024, 1, 16, 128, jnp.bfloat16, None),
+             (3, 200, 1, 4, 64, jnp.bfloat16, None), (1, 1000, 2, 2, 128, jnp.float16, (0, 300, 999)))
+    for batch, seq_len, heads_kv, group, head_dim, dtype, cu_seqlens in cases:
+        packed = cu_seqlens is not None
+        spec = module.Static(module.static_kernels_b0, heads_kv, group, head_dim, packed, seq_len=seq_len)
+        offsets = jnp.asarray(cu_seqlens if packed else np.arange(batch + 1) * seq_len, jnp.int32)
+        q = jax.ShapeDtypeStruct((batch * seq_len, heads_kv * group, head_dim), dtype)
+        k = jax.ShapeDtypeStruct((batch * seq_len, heads_kv, head_dim), dtype)
         scale = jax.ShapeDtypeStruct((1,), jnp.float32)
-        forward = jax.jit(lambda q, k, v, scale: module.hopper_window_forward(spec, q, k, v, scale))
+        forward = jax.jit(lambda q, k, v, scale: module.hopper_window_forward(spec, q, k, v, scale, offsets))
         text = forward.trace(q, k, k, scale).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text
         rows = jax.ShapeDtypeStruct(q.shape[:2], jnp.float32)
-        backward = jax.jit(functools.partial(module.hopper_window_backward, spec))
+        backward = jax.jit(lambda *args: module.hopper_window_backward(spec, *args, offsets))
         text = backward.trace(q, k, k, q, rows, rows, scale).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("mosaic_gpu") >= 2  # the dq and the dk/dv kernels
 
@@ -312,10 +346,14 @@ def test_hopper_kernels_of_trailing_windows(rng, monkeypatch, keys):
 
     record("hopper_window_forward")
     record("hopper_window_backward")
-    # The last shape has more work items (query tiles x heads x rows) than the GPU has CTAs.
-    for batch, heads_q, heads_kv, head_dim in ((2, 4, 4, 64), (1, 32, 2, 128), (3, 48, 3, 64)):
-        check(rng, attention, *qkv(rng, batch, 384, heads_q, heads_kv, head_dim, dtype=np.float16))
-    assert set(calls) == {"hopper_window_forward", "hopper_window_backward"}, "the Hopper kernels did not run"
+    # The third shape has more work items (query tiles x heads x rows) than the GPU has CTAs; then a
+    # ragged length, and packed sequences with boundaries inside tiles and rows past the last.
+    shapes = [((2, 384, 4, 4, 64), None), ((1, 384, 32, 2, 128), None), ((3, 384, 48, 3, 64), None),
+              ((2, 333, 8, 2, 128), None), ((1, 520, 16, 2, 64), np.array([0, 100, 101, 357, 500], np.int32))]
+    for shape, cu_seqlens in shapes:
+        calls.clear()
+        check(rng, attention, *qkv(rng, *shape, dtype=np.float16), cu_seqlens=cu_seqlens)
+        assert set(calls) == {"hopper_window_forward", "hopper_window_backward"}, f"the Hopper kernels did not run: {shape}"
 
 
 # ---- table branches ----------------------------------------------------------------------------
