@@ -247,6 +247,20 @@ HOPPER_LAYOUTS = [
 ]
 
 
+def test_hopper_kernels_take_aligned_rows_of_whole_tiles_of_eight_float16_bfloat16_and_head_dims_64_128(monkeypatch):
+    monkeypatch.setattr(triton_glue, "on_hopper", lambda: True)
+    attention = compiled([W(512)])
+    module = codegen.load_module("triton", attention.plan, for_device(attention.config))
+
+    def applies(seq_len, head_dim=64, dtype=jnp.bfloat16, packed=False):
+        spec = module.Static(module.static_kernels_b0, 2, 2, head_dim, packed, seq_len=seq_len)
+        return module.hopper_window_applies(spec, jax.ShapeDtypeStruct((seq_len, 4, head_dim), dtype))
+
+    assert applies(1024) and applies(328) and applies(1000, 128, jnp.float16, packed=True)
+    assert not applies(0)  # queries that are a shard of the keys' rows
+    assert not applies(333) and not applies(1000, 96) and not applies(1024, 64, jnp.float32)
+
+
 @pytest.mark.parametrize("seq_len, cu_seqlens", HOPPER_LAYOUTS)
 def test_hopper_kernels_cover_every_visible_pair_and_skip_the_mask_only_where_all_are_visible(seq_len, cu_seqlens):
     """The Hopper kernels' schedules, which CI cannot run: for every query tile (forward, dq) the
@@ -349,7 +363,7 @@ def test_hopper_kernels_of_trailing_windows(rng, monkeypatch, keys):
     # The third shape has more work items (query tiles x heads x rows) than the GPU has CTAs; then a
     # ragged length, and packed sequences with boundaries inside tiles and rows past the last.
     shapes = [((2, 384, 4, 4, 64), None), ((1, 384, 32, 2, 128), None), ((3, 384, 48, 3, 64), None),
-              ((2, 333, 8, 2, 128), None), ((1, 520, 16, 2, 64), np.array([0, 100, 101, 357, 500], np.int32))]
+              ((2, 328, 8, 2, 128), None), ((1, 520, 16, 2, 64), np.array([0, 100, 101, 357, 500], np.int32))]
     for shape, cu_seqlens in shapes:
         calls.clear()
         check(rng, attention, *qkv(rng, *shape, dtype=np.float16), cu_seqlens=cu_seqlens)
