@@ -11,8 +11,6 @@ union, both segments of a progression -- runs on these short sequences."""
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -275,7 +273,8 @@ def test_hopper_kernels_cover_every_visible_pair_and_skip_the_mask_only_where_al
     packed = cu_seqlens is not None
     spec = module.Static(module.static_kernels_b0, 1, 1, 64, packed, seq_len=seq_len)
     if packed:
-        starts, ends = (np.asarray(x)[0] for x in module._sequence_rows(spec, jnp.asarray(cu_seqlens, jnp.int32), padded))
+        offsets = jnp.asarray(cu_seqlens, jnp.int32)
+        starts, ends = (np.asarray(x)[0] for x in module._sequence_rows(spec, offsets, padded))
     else:
         starts, ends = np.zeros(padded, np.int32), np.full(padded, seq_len, np.int32)
     q_pos, k_pos = np.arange(padded)[:, None], np.arange(padded)[None, :]
@@ -367,7 +366,7 @@ def test_hopper_kernels_of_trailing_windows(rng, monkeypatch, keys):
     for shape, cu_seqlens in shapes:
         calls.clear()
         check(rng, attention, *qkv(rng, *shape, dtype=np.float16), cu_seqlens=cu_seqlens)
-        assert set(calls) == {"hopper_window_forward", "hopper_window_backward"}, f"the Hopper kernels did not run: {shape}"
+        assert set(calls) == {"hopper_window_forward", "hopper_window_backward"}, f"no Hopper kernels at {shape}"
 
 
 # ---- table branches ----------------------------------------------------------------------------
