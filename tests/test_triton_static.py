@@ -280,15 +280,19 @@ def test_hopper_kernels_cover_every_visible_pair_and_skip_the_mask_only_where_al
     q_pos, k_pos = np.arange(padded)[:, None], np.arange(padded)[None, :]
     in_row = (q_pos < seq_len) & (k_pos < seq_len)
     for window in (1, 2, 37, 64, 65, 66, 128, 130, 200, 511, 512, 1000, 2**29):
+        visibility = module._Visibility(window, seq_len, packed)
         bounded = window < seq_len
         sees = (k_pos <= q_pos) & (k_pos >= starts[:, None]) & ((k_pos > q_pos - window) | (not bounded)) & in_row
+        # the kernels' mask on the steps that take one, against this
+        kernel_mask = visibility.sees(q_pos, k_pos) & (k_pos >= starts[:, None]) & in_row
+        assert (kernel_mask == sees).all()
         assert (sees.any(axis=1) == (starts <= np.arange(padded)) & (np.arange(padded) < seq_len)).all()
 
         def first_seen(query):
-            return module._first_seen(query, starts[query], window, bounded)
+            return visibility.first_seen(starts[None], 0, query)
 
         def past_seen(key):
-            return module._past_seen(key, ends[key], window, bounded)
+            return visibility.past_seen(ends[None], 0, key)
 
         for tile_first in range(0, padded, 2 * rows):
             tile_rows = sees[tile_first : tile_first + 2 * rows]
