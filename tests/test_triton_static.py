@@ -296,7 +296,7 @@ def test_hopper_kernels_cover_every_visible_pair_and_skip_the_mask_only_where_al
 
         for tile_first in range(0, padded, 2 * rows):
             tile_rows = sees[tile_first : tile_first + 2 * rows]
-            for block in (module.HOPPER_BACKWARD_STEP, module.HOPPER_BLOCK_KV):
+            for block in (module.HOPPER_DQ_STEP, module.HOPPER_BLOCK_KV):
                 first_block, steps = (int(x) for x in module._tile_keys(tile_first, first_seen(tile_first), block))
                 walked = slice(first_block * block, (first_block + steps) * block)
                 assert steps >= 1 and tile_rows.sum() == tile_rows[:, walked].sum()
@@ -307,7 +307,7 @@ def test_hopper_kernels_cover_every_visible_pair_and_skip_the_mask_only_where_al
                     for step in range(int(lower), int(upper)):
                         keys = slice((first_block + step) * block, (first_block + step + 1) * block)
                         assert sees[kept, keys].all(), (window, first_row, block, step)
-            block = module.HOPPER_BACKWARD_STEP
+            block = module.HOPPER_DKDV_STEP
             spans = module._tile_queries(tile_first, past_seen(tile_first), past_seen(tile_first + 2 * rows - 1), block)
             first, end, lower, upper = (int(x) for x in spans)
             tile_keys = sees[:, tile_first : tile_first + 2 * rows]
@@ -316,6 +316,20 @@ def test_hopper_kernels_cover_every_visible_pair_and_skip_the_mask_only_where_al
             for query_block in range(lower, upper):
                 queries = slice(query_block * block, min((query_block + 1) * block, seq_len))
                 assert sees[queries, kept_keys].all(), (window, tile_first, query_block)
+
+
+def test_hopper_dkdv_splits_the_group_until_the_key_tiles_make_enough_ctas(monkeypatch):
+    attention = compiled([L(2**31 - 1)])
+    module = codegen.load_module("triton", attention.plan, for_device(attention.config))
+    monkeypatch.setattr(triton_glue, "multiprocessors", lambda: 132)
+    wanted = module.HOPPER_DKDV_CTAS_PER_SM * 132
+    # 8k rows, 4 KV heads of 16 query heads: 128 key tiles; then 64k rows; groups of 3 and 1.
+    for ctas, group in ((128, 16), (1024, 16), (4, 3), (200, 3), (7, 1)):
+        splits = module._dkdv_splits(ctas, group)
+        assert group % splits == 0
+        assert ctas * splits >= wanted or splits == group
+        assert all(ctas * fewer < wanted for fewer in range(1, splits) if group % fewer == 0)
+    assert module._dkdv_splits(128, 16) > 1 and module._dkdv_splits(1024, 16) == 1
 
 
 @pytest.mark.parametrize("keys", [W(512), L(2**31 - 1)])
@@ -327,8 +341,12 @@ def test_hopper_kernels_lower_for_cuda(keys):
     pytest.importorskip("absl")  # Mosaic GPU's lowering logs through absl
     attention = compiled([keys])
     module = codegen.load_module("triton", attention.plan, for_device(attention.config))
+    # dk/dv of the last case in one share of the group (float16 stores), of the others in several
+    # (float32 partial sums).
     cases = ((2, 256, 2, 3, 64, jnp.float16, None), (1, 1024, 1, 16, 128, jnp.bfloat16, None),
-             (3, 200, 1, 4, 64, jnp.bfloat16, None), (1, 1000, 2, 2, 128, jnp.float16, (0, 300, 999)))
+             (3, 200, 1, 4, 64, jnp.bfloat16, None), (1, 1000, 2, 2, 128, jnp.float16, (0, 300, 999)),
+             (1, 4096, 16, 1, 128, jnp.float16, None))
+    assert module._dkdv_splits(16 * module._tiles(4096), 1) == 1
     for batch, seq_len, heads_kv, group, head_dim, dtype, cu_seqlens in cases:
         packed = cu_seqlens is not None
         spec = module.Static(module.static_kernels_b0, heads_kv, group, head_dim, packed, seq_len=seq_len)
@@ -364,9 +382,11 @@ def test_hopper_kernels_of_trailing_windows(rng, monkeypatch, keys):
     record("hopper_window_forward")
     record("hopper_window_backward")
     # The third shape has more work items (query tiles x heads x rows) than the GPU has CTAs; then a
-    # ragged length, and packed sequences with boundaries inside tiles and rows past the last.
+    # ragged length, packed sequences with boundaries inside tiles and rows past the last, and one
+    # query head per KV head (dk/dv unsplit; the others split their groups: few key tiles).
     shapes = [((2, 384, 4, 4, 64), None), ((1, 384, 32, 2, 128), None), ((3, 384, 48, 3, 64), None),
-              ((2, 328, 8, 2, 128), None), ((1, 520, 16, 2, 64), np.array([0, 100, 101, 357, 500], np.int32))]
+              ((2, 328, 8, 2, 128), None), ((1, 520, 16, 2, 64), np.array([0, 100, 101, 357, 500], np.int32)),
+              ((1, 256, 8, 1, 64), None)]
     for shape, cu_seqlens in shapes:
         calls.clear()
         check(rng, attention, *qkv(rng, *shape, dtype=np.float16), cu_seqlens=cu_seqlens)
