@@ -318,18 +318,29 @@ def test_hopper_kernels_cover_every_visible_pair_and_skip_the_mask_only_where_al
                 assert sees[queries, kept_keys].all(), (window, tile_first, query_block)
 
 
-def test_hopper_dkdv_splits_the_group_until_the_key_tiles_make_enough_ctas(monkeypatch):
+def test_hopper_dkdv_splits_groups_of_unequal_key_tiles_and_of_too_few_ctas(monkeypatch):
     attention = compiled([L(2**31 - 1)])
     module = codegen.load_module("triton", attention.plan, for_device(attention.config))
     monkeypatch.setattr(triton_glue, "multiprocessors", lambda: 132)
-    wanted = module.HOPPER_DKDV_CTAS_PER_SM * 132
-    # 8k rows, 4 KV heads of 16 query heads: 128 key tiles; then 64k rows; groups of 3 and 1.
-    for ctas, group in ((128, 16), (1024, 16), (4, 3), (200, 3), (7, 1)):
-        splits = module._dkdv_splits(ctas, group)
-        assert group % splits == 0
-        assert ctas * splits >= wanted or splits == group
-        assert all(ctas * fewer < wanted for fewer in range(1, splits) if group % fewer == 0)
-    assert module._dkdv_splits(128, 16) > 1 and module._dkdv_splits(1024, 16) == 1
+
+    def splits(window, seq_len, heads_kv, group, batch=1, packed=False):
+        visibility = module._Visibility(window, seq_len, packed)
+        return module._dkdv_splits(visibility, module._tiles(seq_len), heads_kv, batch, group)
+
+    causal, shares = 2**31 - 1, module.HOPPER_DKDV_SHARES
+    assert shares > 1
+    for seq_len in (2000, 8192, 65536):  # unequal tiles: the first is seen by every query
+        assert splits(causal, seq_len, 4, 16) == shares
+        assert splits(seq_len * 3 // 4, seq_len, 4, 16) == shares
+    assert splits(causal, 1000, 4, 16) == 8  # 32 CTAs: as many as it takes to fill the GPU
+    assert splits(causal, 8192, 4, 6) == max(s for s in (1, 2, 3, 6) if s <= shares)
+    assert splits(causal, 8192, 64, 1) == 1
+    assert splits(512, 8192, 4, 16) == 1  # equal tiles, 256 CTAs
+    assert splits(causal, 8192, 4, 16, packed=True) == 1  # sequences unknown: counted as equal
+    assert splits(512, 8192, 4, 16, batch=3) == 1
+    assert splits(512, 1024, 2, 16) == 16  # 16 CTAs: as many as it takes
+    assert splits(100, 512, 4, 12) == 12  # 16 CTAs, a bounded window within the rows
+    assert splits(100, 1024, 4, 12, packed=True) == 6  # 32 CTAs
 
 
 @pytest.mark.parametrize("keys", [W(512), L(2**31 - 1)])
@@ -346,7 +357,6 @@ def test_hopper_kernels_lower_for_cuda(keys):
     cases = ((2, 256, 2, 3, 64, jnp.float16, None), (1, 1024, 1, 16, 128, jnp.bfloat16, None),
              (3, 200, 1, 4, 64, jnp.bfloat16, None), (1, 1000, 2, 2, 128, jnp.float16, (0, 300, 999)),
              (1, 4096, 16, 1, 128, jnp.float16, None))
-    assert module._dkdv_splits(16 * module._tiles(4096), 1) == 1
     for batch, seq_len, heads_kv, group, head_dim, dtype, cu_seqlens in cases:
         packed = cu_seqlens is not None
         spec = module.Static(module.static_kernels_b0, heads_kv, group, head_dim, packed, seq_len=seq_len)
