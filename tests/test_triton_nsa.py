@@ -177,6 +177,18 @@ def test_selection_per_block_of_queries_in_float16(rng):
                             dtype=np.float16, gates=("cmp", "slc"))
 
 
+@pytest.mark.skipif(not triton_glue.on_gpu(), reason="pipelining: the interpreter ignores num_stages")
+@pytest.mark.parametrize("num_warps, num_stages", [(4, 1), (8, 3)])
+def test_every_launch_setting_the_autotuner_tries(rng, num_warps, num_stages):
+    """Tiles of tokens that see no compressed key (the first l - 1 of a sequence) once started the
+    compression walks at a sentinel near 2**31: with 3 stages Triton's pipeline guard of the
+    steps ahead overflowed and the H200 read outside k_cmp (CUDA_ERROR_ILLEGAL_ADDRESS)."""
+    source, spec = small_example("nsa_meanpool")
+    config = nsa_dsl.NativeSparseAttentionConfig(num_warps=num_warps, num_stages=num_stages)
+    check_against_reference(rng, source, spec, batch=1, seq_len=150, heads_q=16, heads_kv=1, head_dim=64,
+                            cu_seqlens=[0, 9, 75, 150], config=config)
+
+
 def test_native_sparse_attention_with_g_cmp(rng):
     batch, seq_len, heads_q, heads_kv, head_dim, block = 1, 35, 4, 1, 32, 16
     q, k, v = qkv(rng, batch, seq_len, heads_q, heads_kv, head_dim)
