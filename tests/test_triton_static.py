@@ -334,6 +334,8 @@ def test_hopper_dkdv_splits_groups_of_unequal_key_tiles_and_of_too_few_ctas(monk
         assert splits(seq_len * 3 // 4, seq_len, 4, 16) == shares
     assert splits(causal, 1000, 4, 16) == 8  # 32 CTAs: as many as it takes to fill the GPU
     assert splits(causal, 8192, 4, 6) == max(s for s in (1, 2, 3, 6) if s <= shares)
+    # More CTAs than measured (2048 at 64k): no float32 shares
+    assert splits(causal, 131072, 4, 16) == 1 and splits(causal, 8192, 4, 16, batch=64) == 1
     assert splits(causal, 8192, 64, 1) == 1
     assert splits(512, 8192, 4, 16) == 1  # equal tiles, 256 CTAs
     assert splits(causal, 8192, 4, 16, packed=True) == 1  # sequences unknown: counted as equal
