@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import zlib
 
+import jax
 import numpy as np
 import pytest
 
@@ -77,6 +78,15 @@ def mask_value(expr: p.MaskExpr, q_pos, k_pos, atom_bits) -> np.ndarray:
     raise TypeError(expr)
 
 
+def lower_for_cuda(jitted, *args):
+    """A jit function traced with `args` and lowered for CUDA on this host, which has no GPU.
+    jax 0.11's Pallas reads the target GPU from the abstract mesh's device when it traces (an
+    H200's here; jax 0.10 asks for no device)."""
+    target = jax.sharding.AbstractDevice("NVIDIA H200", None, "gpu")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("lowering",), abstract_device=target)):
+        return jitted.trace(*args).lower(lowering_platforms=("cuda",))
+
+
 def relative_error(actual, expected) -> float:
     """max |actual - expected| / max |expected|."""
     actual = np.asarray(actual, dtype=np.float64)
@@ -95,7 +105,6 @@ def check_selection_against_reference(rng, attention, q, k, v, g_slc, indices, c
     """Forward and the gradients of q, k, v and the gate of an explicit-selection `attention`
     (called as attention(q, k, v, g_slc, indices, counts, block, cu_seqlens)) against the
     float64 reference; tolerances = (forward, gradients); outputs and gradients keep q's dtype."""
-    import jax
     import jax.numpy as jnp
 
     import reference

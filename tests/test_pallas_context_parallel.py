@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import gate, qkv
+from conftest import gate, lower_for_cuda, qkv
 from nsa_reference import NsaSpec
 from test_triton_context_parallel import (
     FLOAT16_TOLERANCE,
@@ -176,7 +176,7 @@ def test_kernels_of_a_shard_lower_to_triton_for_a_gpu(rng, monkeypatch):
         return jnp.sum(out.astype(jnp.float32))
 
     for function, kernels in ((loss, 4), (jax.grad(loss, argnums=(0, 1, 2)), 10)):
-        lowered = jax.jit(function).trace(q[:, :shard_len], k, v, jnp.int32(32)).lower(lowering_platforms=("cuda",))
+        lowered = lower_for_cuda(jax.jit(function), q[:, :shard_len], k, v, jnp.int32(32))
         assert lowered.as_text().count("__gpu$xla.gpu.triton") == kernels
 
 

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import FORWARD_TOLERANCE, GRADIENT_TOLERANCE, assert_close, gate, normal, qkv
+from conftest import FORWARD_TOLERANCE, GRADIENT_TOLERANCE, assert_close, gate, lower_for_cuda, normal, qkv
 from nsa_reference import PAPER, NsaSpec, chosen_scores, nsa_gradients, nsa_reference
 
 import nsa_dsl
@@ -198,7 +198,7 @@ def test_kernels_lower_to_triton_for_a_gpu(rng, monkeypatch):
         return jnp.sum(out.astype(jnp.float32))
 
     for function, kernels in ((loss, 4), (jax.grad(loss, argnums=(0, 1, 2)), 10)):
-        text = jax.jit(function).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+        text = lower_for_cuda(jax.jit(function), q, k, v).as_text()
         assert text.count("__gpu$xla.gpu.triton") == kernels
 
 

@@ -20,6 +20,7 @@ from conftest import (
     GRADIENT_TOLERANCE,
     check_selection_against_reference,
     gate,
+    lower_for_cuda,
     qkv,
     random_indices,
 )
@@ -117,5 +118,5 @@ def test_kernels_lower_to_triton_for_a_gpu(rng, monkeypatch, dtype):
         return jnp.sum(out.astype(jnp.float32))
 
     for function, kernels in ((loss, 1), (jax.grad(loss, argnums=(0, 1, 2)), 3)):
-        text = jax.jit(function).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+        text = lower_for_cuda(jax.jit(function), q, k, v).as_text()
         assert text.count("__gpu$xla.gpu.triton") == kernels

@@ -14,7 +14,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import reference
-from conftest import BF16_TOLERANCE, FORWARD_TOLERANCE, GRADIENT_TOLERANCE, assert_close, gate, normal, qkv
+from conftest import (
+    BF16_TOLERANCE,
+    FORWARD_TOLERANCE,
+    GRADIENT_TOLERANCE,
+    assert_close,
+    gate,
+    lower_for_cuda,
+    normal,
+    qkv,
+)
 
 from nsa_dsl import codegen
 from nsa_dsl.api import SparseAttention
@@ -143,5 +152,5 @@ def test_kernels_lower_to_triton_for_a_gpu(rng, monkeypatch, dtype):
         return jnp.sum(out.astype(jnp.float32))
 
     for function, kernels in ((loss, 1), (jax.grad(loss, argnums=(0, 1, 2)), 3)):
-        text = jax.jit(function).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+        text = lower_for_cuda(jax.jit(function), q, k, v).as_text()
         assert text.count("__gpu$xla.gpu.triton") == kernels
