@@ -179,7 +179,7 @@ def test_selection_per_block_of_queries_in_float16(rng):
 
 @pytest.mark.skipif(not triton_glue.on_gpu(), reason="pipelining: the interpreter ignores num_stages")
 @pytest.mark.parametrize("num_warps, num_stages", [(4, 1), (8, 3)])
-def test_every_launch_setting_the_autotuner_tries(rng, num_warps, num_stages):
+def test_launch_settings_at_both_ends_of_the_autotuners_range(rng, num_warps, num_stages):
     """Tiles of tokens that see no compressed key (the first l - 1 of a sequence) once started the
     compression walks at a sentinel near 2**31: with 3 stages Triton's pipeline guard of the
     steps ahead overflowed and the H200 read outside k_cmp (CUDA_ERROR_ILLEGAL_ADDRESS)."""
