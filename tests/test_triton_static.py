@@ -325,7 +325,7 @@ def test_hopper_dkdv_splits_groups_of_unequal_key_tiles_and_of_too_few_ctas(monk
 
     def splits(window, seq_len, heads_kv, group, batch=1, packed=False):
         visibility = module._Visibility(window, seq_len, packed)
-        return module._dkdv_splits(visibility, module._tiles(seq_len), heads_kv, batch, group)
+        return module._dkdv_splits(visibility, heads_kv, batch, group)
 
     causal, shares = 2**31 - 1, module.HOPPER_DKDV_SHARES
     assert shares > 1
