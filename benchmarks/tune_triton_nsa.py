@@ -1,5 +1,5 @@
 """Tile and launch settings of the Triton NSA kernels (compression attention, top-k scoring),
-measured on a GPU in one process: the sweep behind TOKEN_ROWS, TOPK_GROUPS and the compression
+measured on a GPU in one process: the sweep behind TOKEN_ROWS, CMP_STEP_KEYS, TOPK_GROUPS and the compression
 and top-k entries of LAUNCH in templates/triton (NOTES.md, session 4).
 
     PYTHONPATH=. python benchmarks/tune_triton_nsa.py [--seq-len 65536] [--kernels compression,topk] [--out DIR]
@@ -8,7 +8,8 @@ Setting: B=1, HQ=64, HKV=4, D=128, bfloat16 (issue 4's; --dtype), compress(64, 6
 blocks forcing the query's own. Each setting patches the generated module's constants (the module
 dispatch runs: its config is `dispatch.for_device(None)`), clears the jit caches so that the next
 trace reads them, and times
-  - the compression pattern alone, forward and forward+backward (TOKEN_ROWS, compression warps);
+  - the compression pattern alone, forward and forward+backward (TOKEN_ROWS, compression warps,
+    CMP_STEP_KEYS, stages);
   - the selections (compression forward + top-k scoring), forward (TOPK_GROUPS, TOPK_CANDIDATES,
     top-k warps).
 Prints one line per setting and writes tune_triton_nsa.json to --out.
@@ -37,8 +38,9 @@ from nsa_dsl.runtime import dispatch
 
 COMPRESSION = "pattern cmp\nblock 64\ncausal\nbranch cmp = compress(block=64, stride=64) gate g_cmp\n"
 SELECTION = COMPRESSION + "branch slc = topk(16, block=64, score=cmp, force=local(1)) gate g_slc\n"
-# (TOKEN_ROWS, compression num_warps) and (TOPK_GROUPS, TOPK_CANDIDATES, top-k num_warps) to time.
-COMPRESSION_SETTINGS = [(128, 8), (64, 4), (64, 8), (128, 4)]
+# (TOKEN_ROWS, compression num_warps, CMP_STEP_KEYS, num_stages) and (TOPK_GROUPS, TOPK_CANDIDATES, top-k num_warps) to time.
+COMPRESSION_SETTINGS = [(64, 4, 64, 2), (64, 4, 32, 2), (64, 4, 32, 3), (64, 4, 64, 1), (64, 4, 32, 1), (128, 8, 32, 2),
+                        (128, 8, 64, 2), (32, 4, 32, 2), (64, 8, 32, 2), (128, 4, 32, 2)]
 TOPK_SETTINGS = [(4, 64, 4), (4, 32, 4), (2, 64, 4), (4, 64, 2), (8, 32, 8), (8, 64, 4), (16, 64, 4), (4, 64, 8),
                  (4, 128, 4), (4, 128, 8), (2, 128, 4), (8, 128, 8)]
 
@@ -61,6 +63,7 @@ def main() -> None:
     modules = [codegen.load_module("triton", a.plan, dispatch.for_device(None)) for a in (compression, selection)]
     launch = dict(modules[0].LAUNCH)
     rows, groups, candidates = modules[0].TOKEN_ROWS, modules[0].TOPK_GROUPS, modules[0].TOPK_CANDIDATES
+    cmp_step = modules[0].CMP_STEP_KEYS
     results = []
 
     def use(**settings):
@@ -68,6 +71,7 @@ def main() -> None:
             module.TOKEN_ROWS = settings.get("rows", rows)
             module.TOPK_GROUPS = settings.get("groups", groups)
             module.TOPK_CANDIDATES = settings.get("candidates", candidates)
+            module.CMP_STEP_KEYS = settings.get("cmp_step", cmp_step)
             module.LAUNCH = {**launch, **settings.get("launch", {})}
         dispatch.kernel.cache_clear()
         jax.clear_caches()
@@ -79,11 +83,12 @@ def main() -> None:
             return error_text(err)
 
     sweeps = set(args.kernels.split(","))
-    for token_rows, warps in COMPRESSION_SETTINGS if "compression" in sweeps else ():
-        use(rows=token_rows, launch={"compression_forward": (warps, 2), "compression_backward_dq": (warps, 2)})
+    for token_rows, warps, step, stages in COMPRESSION_SETTINGS if "compression" in sweeps else ():
+        use(rows=token_rows, cmp_step=step,
+            launch={"compression_forward": (warps, stages), "compression_backward_dq": (warps, stages)})
         forward = jax.jit(lambda q, k, v: compression(q, k, v, g_cmp=g_cmp, platform="triton"))
         grads = jax.jit(jax.grad(lambda q, k, v: jnp.sum(forward(q, k, v).astype(jnp.float32) ** 2), argnums=(0, 1, 2)))
-        row = {"kernel": "compression", "token_rows": token_rows, "num_warps": warps,
+        row = {"kernel": "compression", "token_rows": token_rows, "num_warps": warps, "step": step, "num_stages": stages,
                "fwd_ms": timed(lambda f=forward: f(q, k, v)), "fwd_bwd_ms": timed(lambda g=grads: g(q, k, v))}
         print(row, flush=True)
         results.append(row)
