@@ -3,12 +3,13 @@ without a GPU: the tool behind session 14's top-k change (NOTES.md, "Session 14 
 
     PYTHONPATH=. python benchmarks/sass_sm90.py KERNEL [--case JSON] [--out DIR]
 
-KERNEL: a kernel name (topk_selection, compression_forward, selection_forward, ...). --case: one case
-as tests/triton_sm90.py takes them (default: issue 4's shape at 64k tokens, compress(64, 64) with a
-top-16 of 64-token blocks). Traces the case's forward and backward, compiles the kernel's first
-recorded launch for sm_90a, writes KERNEL.sass and KERNEL.ttgir to --out and prints its launch
-settings, registers, shared memory and SASS opcode histogram. In the ttgir, a layout whose `lane`
-bases include [0, ...] holds each element on several lanes: work done once per lane, not per element.
+KERNEL: a kernel name (topk_selection, compression_forward, selection_forward, ...). --case: one
+case as tests/triton_sm90.py takes them (default: issue 4's shape at 64k tokens, compress(64, 64)
+with a top-16 of 64-token blocks). Traces the case's forward and backward (triton_sm90's
+record_launches), compiles the kernel's first recorded launch for sm_90a, writes KERNEL.sass and
+KERNEL.ttgir to --out and prints its launch settings, registers, shared memory and SASS opcode
+histogram. In the ttgir, a layout whose `lane` bases include [0, ...] holds each element on several
+lanes: work done once per lane, not per element.
 """
 
 from __future__ import annotations
@@ -54,10 +55,7 @@ def main() -> None:
     parser.add_argument("--out", default=".")
     args = parser.parse_args()
 
-    triton_sm90.triton_glue.prepare_kernels = lambda: None
-    triton_sm90.triton_glue.check_dtype = lambda dtype: None
-    triton_sm90.triton_glue.launch = triton_sm90.record
-    triton_sm90.trace(args.case)
+    triton_sm90.record_launches([args.case])
     entry = next((e for e in triton_sm90.recorded.values() if e["kernel"].__name__ == args.kernel), None)
     if entry is None:
         names = sorted({e["kernel"].__name__ for e in triton_sm90.recorded.values()})

@@ -103,12 +103,17 @@ def trace(case: dict) -> None:
         jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).trace(q, k, v)
 
 
-def main() -> None:
+def record_launches(cases: list[dict]) -> None:
+    """Trace `cases`, recording each distinct kernel launch in `recorded` (nothing runs)."""
     triton_glue.prepare_kernels = lambda: None  # keep the kernels compiled ones
     triton_glue.check_dtype = lambda dtype: None  # bfloat16 is what the GPU runs
     triton_glue.launch = record
-    for case in json.loads(sys.argv[1]):
+    for case in cases:
         trace(case)
+
+
+def main() -> None:
+    record_launches(json.loads(sys.argv[1]))
     target = GPUTarget("cuda", 90, 32)
     results = []
     for entry in recorded.values():
