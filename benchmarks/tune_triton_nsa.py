@@ -38,9 +38,11 @@ from nsa_dsl.runtime import dispatch
 
 COMPRESSION = "pattern cmp\nblock 64\ncausal\nbranch cmp = compress(block=64, stride=64) gate g_cmp\n"
 SELECTION = COMPRESSION + "branch slc = topk(16, block=64, score=cmp, force=local(1)) gate g_slc\n"
-# (TOKEN_ROWS, compression num_warps, CMP_STEP_KEYS, num_stages) and (TOPK_GROUPS, TOPK_CANDIDATES, top-k num_warps) to time.
-COMPRESSION_SETTINGS = [(128, 8, 32, 2), (64, 4, 64, 2), (64, 4, 32, 2), (64, 4, 32, 3), (64, 4, 64, 1), (64, 4, 32, 1),
-                        (128, 8, 64, 2), (32, 4, 32, 2), (64, 8, 32, 2), (128, 4, 32, 2), (128, 8, 32, 3), (128, 8, 16, 2)]
+# (TOKEN_ROWS, compression num_warps, CMP_STEP_KEYS, num_stages) and (TOPK_GROUPS, TOPK_CANDIDATES, top-k
+# num_warps) to time.
+COMPRESSION_SETTINGS = [(128, 8, 32, 2), (64, 4, 64, 2), (64, 4, 32, 2), (64, 4, 32, 3), (64, 4, 64, 1),
+                        (64, 4, 32, 1), (128, 8, 64, 2), (32, 4, 32, 2), (64, 8, 32, 2), (128, 4, 32, 2),
+                        (128, 8, 32, 3), (128, 8, 16, 2)]
 TOPK_SETTINGS = [(4, 64, 4), (4, 32, 4), (2, 64, 4), (4, 64, 2), (8, 32, 8), (8, 64, 4), (16, 64, 4), (4, 64, 8),
                  (4, 128, 4), (4, 128, 8), (2, 128, 4), (8, 128, 8), (8, 64, 8), (16, 64, 8)]
 
@@ -88,7 +90,8 @@ def main() -> None:
             launch={"compression_forward": (warps, stages), "compression_backward_dq": (warps, stages)})
         forward = jax.jit(lambda q, k, v: compression(q, k, v, g_cmp=g_cmp, platform="triton"))
         grads = jax.jit(jax.grad(lambda q, k, v: jnp.sum(forward(q, k, v).astype(jnp.float32) ** 2), argnums=(0, 1, 2)))
-        row = {"kernel": "compression", "token_rows": token_rows, "num_warps": warps, "step": step, "num_stages": stages,
+        row = {"kernel": "compression", "token_rows": token_rows, "num_warps": warps, "step": step,
+               "num_stages": stages,
                "fwd_ms": timed(lambda f=forward: f(q, k, v)), "fwd_bwd_ms": timed(lambda g=grads: g(q, k, v))}
         print(row, flush=True)
         results.append(row)
