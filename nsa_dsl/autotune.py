@@ -16,10 +16,14 @@ into place with os.replace), so concurrent writers leave one valid entry and rea
 a partial one; an entry carries the sha256 of its own content, and one that is damaged or does
 not parse is ignored (and written anew by the next tuning).
 
-Tuning a shape takes at most `NSA_DSL_AUTOTUNE_SECONDS` (default 120): candidates are timed in
-the kernel's order, its heuristic configuration first, and those not reached when the time is up
-are left out (the entry counts them). Compiling dominates on a GPU (Triton compiles each
-candidate's forward and backward kernels), so a full sweep can take several minutes.
+Compiling dominates on a GPU (Triton compiles each candidate's forward and backward kernels,
+XLA the programs around them), so tuning runs in two phases: the candidates' programs are
+lowered and compiled ahead of time on `NSA_DSL_AUTOTUNE_WORKERS` threads (default: the CPU
+count, at most 8; Triton's compiler, ptxas and XLA's compiler release the interpreter lock),
+then timed one after another once every compile has ended, so that no worker delays a timed
+call. `NSA_DSL_AUTOTUNE_SECONDS` (default 120) bounds the first phase: compiles are started in
+the kernel's order, its heuristic configuration first, and those that would start after the
+time is up are left out (the entry counts them).
 
 `NSA_DSL_AUTOTUNE` sets when tuning happens for calls that do not pass a configuration:
 "0" never (the heuristic configuration, tuned entries are not read), "1" on the first call of
@@ -40,6 +44,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +62,7 @@ if TYPE_CHECKING:
 # Timed calls per measurement, after one untimed call that compiles and warms up; the median counts.
 REPEATS = 5
 DEFAULT_SECONDS = 120.0
+DEFAULT_WORKERS = 8
 _LIBRARIES = ("jax", "jaxlib", "triton")
 
 
@@ -256,8 +262,17 @@ def relative_error(actual, expected) -> float:
     return worst
 
 
-def _measure(kernel: Kernel, cfg, arguments: Mapping[str, Any], check: Callable, cotangent_seed: int,
-             repeats: int) -> Measurement:
+@dataclasses.dataclass(frozen=True)
+class _Compiled:
+    """A candidate's forward and forward+backward, compiled ahead of time for the tuning inputs."""
+    cfg: Any
+    forward: Callable  # (arrays) -> out
+    step: Callable  # (differentiable, constant) -> (loss, gradients)
+    step_args: tuple
+
+
+def _compile(kernel: Kernel, cfg, arguments: Mapping[str, Any], cotangent_seed: int) -> _Compiled:
+    """Lower and compile cfg's programs; runs nothing on the device (safe in a worker thread)."""
     arrays = {name: value for name, value in arguments.items() if _is_array(value)}
     statics = {name: value for name, value in arguments.items() if not _is_array(value)}
     floating = {name for name, value in arrays.items() if jnp.issubdtype(value.dtype, jnp.floating)}
@@ -265,23 +280,59 @@ def _measure(kernel: Kernel, cfg, arguments: Mapping[str, Any], check: Callable,
     def forward(arrays):
         return kernel.run(**statics, **arrays, cfg=cfg)
 
-    forward_jit = jax.jit(forward)
-    out = jax.block_until_ready(forward_jit(arrays))
-    error = check(out)
-    forward_s = _median_time(forward_jit, (arrays,), repeats)
-
-    rng = np.random.default_rng(cotangent_seed)
-    cotangent = jax.tree_util.tree_map(lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype), out)
+    lowered = jax.jit(forward).lower(arrays)
+    rng = np.random.default_rng(cotangent_seed)  # the same cotangent for every candidate
+    cotangent = jax.tree_util.tree_map(lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype), lowered.out_info)
 
     def loss(differentiable, constant):
         outputs = jax.tree_util.tree_leaves(forward({**constant, **differentiable}))
-        return sum(jnp.vdot(o.astype(jnp.float32), c.astype(jnp.float32)) for o, c in zip(outputs, jax.tree_util.tree_leaves(cotangent)))
+        return sum(jnp.vdot(o.astype(jnp.float32), c.astype(jnp.float32))
+                   for o, c in zip(outputs, jax.tree_util.tree_leaves(cotangent)))
 
-    step = jax.jit(jax.value_and_grad(loss))
-    differentiable = {name: arrays[name] for name in floating}
-    constant = {name: value for name, value in arrays.items() if name not in floating}
-    forward_backward_s = _median_time(step, (differentiable, constant), repeats)
-    return Measurement(cfg, forward_s, forward_backward_s, error)
+    step_args = ({name: arrays[name] for name in floating},
+                 {name: value for name, value in arrays.items() if name not in floating})
+    step = jax.jit(jax.value_and_grad(loss)).lower(*step_args).compile()
+    return _Compiled(cfg, lowered.compile(), step, step_args)
+
+
+def _measure(compiled: _Compiled, arrays: Mapping[str, Any], check: Callable, repeats: int) -> Measurement:
+    out = jax.block_until_ready(compiled.forward(arrays))
+    error = check(out)
+    forward_s = _median_time(compiled.forward, (arrays,), repeats)
+    forward_backward_s = _median_time(compiled.step, compiled.step_args, repeats)
+    return Measurement(compiled.cfg, forward_s, forward_backward_s, error)
+
+
+def compile_workers() -> int:
+    """Candidates compiled at once, from NSA_DSL_AUTOTUNE_WORKERS (default: the CPU count, at most 8)."""
+    value = os.environ.get("NSA_DSL_AUTOTUNE_WORKERS", "").strip()
+    if not value:
+        return max(1, min(os.cpu_count() or 1, DEFAULT_WORKERS))
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"NSA_DSL_AUTOTUNE_WORKERS must be a whole number >= 1, got {value!r}")
+    return int(value)
+
+
+def _compile_all(kernel: Kernel, candidates: list, arguments: Mapping[str, Any], seed: int, deadline: float,
+                 label: str | None) -> list[Future]:
+    """Compile the candidates on compile_workers() threads, in order; a candidate whose compile
+    would start after `deadline` is left out (its future holds None), except the first. Returns
+    once every compile has ended: nothing is timed while the workers hold the interpreter lock."""
+
+    def job(index: int, cfg) -> _Compiled | None:
+        if index > 0 and time.perf_counter() >= deadline:
+            return None
+        return _compile(kernel, cfg, arguments, seed)
+
+    bar = ProgressBar(len(candidates), f"{label} compiling") if label else None
+    with ThreadPoolExecutor(max_workers=compile_workers(), thread_name_prefix="nsa_dsl-autotune") as pool:
+        futures = [pool.submit(job, index, cfg) for index, cfg in enumerate(candidates)]
+        for _ in as_completed(futures):
+            if bar is not None:
+                bar.advance()
+    if bar is not None:
+        bar.close()
+    return futures
 
 
 def tune(kernel: Kernel, inv: Invocation, *, candidates: Iterable | None = None, repeats: int | None = None,
@@ -313,14 +364,22 @@ def _tune(kernel: Kernel, inv: Invocation, candidates, repeats: int, progress: b
 
     measured: list[Measurement] = []
     rejected: list[dict] = []
-    limit, start, untimed = time_limit(), time.perf_counter(), 0
-    bar = ProgressBar(len(candidates), f"nsa_dsl autotune {kernel.op_id}") if progress else None
-    for index, cfg in enumerate(candidates):
-        if measured and time.perf_counter() - start > limit:
-            untimed = len(candidates) - index
-            break
+    limit, start = time_limit(), time.perf_counter()
+    label = f"nsa_dsl autotune {kernel.op_id}" if progress else None
+    futures = _compile_all(kernel, candidates, arguments, seed + 1, start + limit, label)
+    compile_s = time.perf_counter() - start
+    arrays = {name: value for name, value in arguments.items() if _is_array(value)}
+    untimed = sum(1 for future in futures if future.exception() is None and future.result() is None)
+    bar = ProgressBar(len(candidates) - untimed, label) if progress else None
+    for cfg, future in zip(candidates, futures, strict=True):
         try:
-            measured.append(_measure(kernel, cfg, arguments, check, seed + 1, repeats))
+            # A compile that failed on a worker thread is repeated here: only a failure that
+            # recurs rejects the candidate (Python 3.11's ast.parse, which Triton calls, is not
+            # thread-safe).
+            compiled = future.result() if future.exception() is None else _compile(kernel, cfg, arguments, seed + 1)
+            if compiled is None:
+                continue
+            measured.append(_measure(compiled, arrays, check, repeats))
         except Exception as err:  # noqa: BLE001 -- any failure rejects the candidate: fail closed
             reason = str(err) if isinstance(err, _Mismatch) else f"{type(err).__name__}: {err}"
             rejected.append({"cfg": dataclasses.asdict(cfg), "reason": reason})
@@ -349,6 +408,9 @@ def _tune(kernel: Kernel, inv: Invocation, candidates, repeats: int, progress: b
         "measured": [m.record() for m in measured],
         "rejected": rejected,
         "untimed": untimed,
+        "compile_workers": compile_workers(),
+        "compile_s": compile_s,
+        "timing_s": time.perf_counter() - start - compile_s,
         "versions": versions(),
     })
     with _known_lock:

@@ -1,7 +1,8 @@
 """Autotuning (nsa_dsl/autotune.py): it picks a candidate and persists it, a second call reads
 the entry, an explicit cfg is never written over it, NSA_DSL_AUTOTUNE, wrong or failing
 candidates are rejected (fail closed), damaged entries are ignored and rewritten, concurrent
-writers leave a valid entry, tuning works while jax traces the caller, the progress bar.
+writers leave a valid entry, candidates compile on worker threads (a failure there is
+repeated before it rejects), tuning works while jax traces the caller, the progress bar.
 On a CPU the XLA backend's candidates are tuned, with small shapes and few candidates."""
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -204,6 +207,63 @@ def test_wrong_or_failing_candidates_are_rejected_with_a_warning(tuned, capsys):
         assert nsa.autotune(inv, candidates=[failing], force=True, progress=False) == nsa.reference_cfg(inv)
     assert "every candidate was rejected" in str(caught[-1].message)
     assert autotune.read_entry(autotune.entry_path(nsa, inv), Config)[0] == good  # the stored choice stays
+
+
+class MeetingPoint(nsa_dsl.NativeSparseAttention):
+    """Tracing one of the `watched` configurations waits for another's tracing, on another thread:
+    two can compile only at the same time. Tracing off the main thread fails once if `flaky`."""
+
+    version = "test-meeting-point"
+
+    def __init__(self, *args, watched=(), flaky=False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.watched, self.flaky, self.threads = set(watched), flaky, set()
+        self.barrier = threading.Barrier(2, timeout=60)
+
+    def get_impl(self, cfg):
+        impl = super().get_impl(cfg)
+
+        def meeting(*args, **kwargs):
+            if cfg in self.watched:
+                self.threads.add(threading.current_thread().name)
+                if self.flaky and threading.current_thread() is not threading.main_thread():
+                    self.flaky = False
+                    raise SystemError("AST constructor recursion depth mismatch")
+                if not self.flaky:
+                    self.barrier.wait()
+            return impl(*args, **kwargs)
+
+        return meeting
+
+
+def test_candidates_compile_at_the_same_time_on_worker_threads(tuned, monkeypatch):
+    monkeypatch.setenv("NSA_DSL_AUTOTUNE_WORKERS", "2")
+    nsa = MeetingPoint(block_size=BLOCK, watched=tuned.candidates)
+    inv = nsa.invocation(*tuned.args)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", nsa_dsl.AutotuneWarning)  # a broken barrier would reject both
+        nsa.autotune(inv, candidates=tuned.candidates, repeats=1, progress=False)
+    entry = json.loads(autotune.entry_path(nsa, inv).read_text())["entry"]
+    assert len(entry["measured"]) == 2 and not entry["rejected"]
+    assert len(nsa.threads) == 2 and all(name.startswith("nsa_dsl-autotune") for name in nsa.threads)
+
+
+def test_a_compile_that_fails_on_a_worker_thread_is_repeated_before_it_rejects(tuned, monkeypatch):
+    monkeypatch.setenv("NSA_DSL_AUTOTUNE_WORKERS", "1")
+    nsa = MeetingPoint(block_size=BLOCK, watched=tuned.candidates, flaky=True)
+    nsa.barrier = threading.Barrier(1)  # one worker: nobody to meet
+    inv = nsa.invocation(*tuned.args)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", nsa_dsl.AutotuneWarning)
+        chosen = nsa.autotune(inv, candidates=tuned.candidates[:1], force=True, repeats=1, progress=False)
+    assert chosen == tuned.candidates[0] and "MainThread" in nsa.threads
+
+
+@pytest.mark.parametrize("value", ["0", "two", "-1"])
+def test_a_wrong_worker_count_is_a_value_error(monkeypatch, value):
+    monkeypatch.setenv("NSA_DSL_AUTOTUNE_WORKERS", value)
+    with pytest.raises(ValueError, match="NSA_DSL_AUTOTUNE_WORKERS must be a whole number >= 1"):
+        autotune.compile_workers()
 
 
 def test_inputs_it_would_refuse_are_a_value_error_not_a_rejection(rng):
