@@ -359,7 +359,8 @@ def _tune(kernel: Kernel, inv: Invocation, candidates, repeats: int, progress: b
         error = relative_error(take(out), expected)
         tolerance = max(kernel.tolerance(leaf.dtype) for leaf in jax.tree_util.tree_leaves(out))
         if not error <= tolerance:
-            raise _Mismatch(f"its output differs from the reference ({describe(reference)}): relative error {error:.2e} > {tolerance:.0e}")
+            raise _Mismatch(f"its output differs from the reference ({describe(reference)}): "
+                            f"relative error {error:.2e} > {tolerance:.0e}")
         return error
 
     measured: list[Measurement] = []
