@@ -269,8 +269,12 @@ def _chunk_forward(sched, q, keys_t, values, work):
     return acc / total[..., None], jnp.where(seen, running_max + jnp.log(total), 0.0)
 
 
-def _chunk_backward(sched, q, d_out, lse, delta, keys_t, values_t, work, grads):
-    """One chunk's dq, and its dk/dv added into grads = (dk_t, dv_t), both [HKV, D, N]."""
+def _chunk_backward(sched, q, d_out, lse, delta, keys, keys_t, values_t, work, grads):
+    """One chunk's dq, and its dk/dv added into grads = (dk_t, dv_t), both [HKV, D, N]. Every
+    product is a plain matrix product (see above): dq takes the key blocks as rows, and dk/dv
+    take q and d_out transposed, once a chunk, to [C, HKV, D, R*G]."""
+    items, heads_kv, rows, group, dim = q.shape
+    q_t, d_out_t = (x.reshape(items, heads_kv, rows * group, dim).swapaxes(-1, -2) for x in (q, d_out))
 
     def step(carry, index):
         dq, (dk_t, dv_t) = carry
@@ -279,9 +283,10 @@ def _chunk_backward(sched, q, d_out, lse, delta, keys_t, values_t, work, grads):
         v_t = gather_columns(values_t, starts, sched.block)
         p = jnp.where(visible, jnp.exp(jnp.einsum("chrgd,chdk->chrgk", q, k_t) - lse[..., None]), 0.0)
         ds = p * (jnp.einsum("chrgd,chdk->chrgk", d_out, v_t) - delta[..., None])
-        dq = dq + jnp.einsum("chrgk,chdk->chrgd", ds, k_t)
-        dk_t = scatter_add_columns(dk_t, starts, jnp.einsum("chrgd,chrgk->chdk", q, ds))
-        dv_t = scatter_add_columns(dv_t, starts, jnp.einsum("chrgd,chrgk->chdk", d_out, p))
+        dq = dq + jnp.einsum("chrgk,chkd->chrgd", ds, gather_rows(keys, starts, sched.block))
+        p, ds = (x.reshape(items, heads_kv, rows * group, sched.block) for x in (p, ds))
+        dk_t = scatter_add_columns(dk_t, starts, jnp.einsum("chdn,chnk->chdk", q_t, ds))
+        dv_t = scatter_add_columns(dv_t, starts, jnp.einsum("chdn,chnk->chdk", d_out_t, p))
         return dq, (dk_t, dv_t)
 
     dq = _filled((q, d_out, lse, delta, keys_t, values_t, work), q.shape, 0.0)
@@ -308,12 +313,12 @@ def _attention_forward(sched, queries, keys_t, values, work):
 
 def _attention_backward(sched, residuals, d_out):
     queries, keys_t, values, work, out, lse = residuals
-    values_t = values.transpose(0, 2, 1)
+    keys, values_t = keys_t.transpose(0, 2, 1), values.transpose(0, 2, 1)
     delta = jnp.sum(d_out * out, axis=-1)
 
     def one_chunk(grads, chunk):
         q, do, chunk_lse, chunk_delta, chunk_work = chunk
-        return _chunk_backward(sched, q, do, chunk_lse, chunk_delta, keys_t, values_t, chunk_work, grads)[::-1]
+        return _chunk_backward(sched, q, do, chunk_lse, chunk_delta, keys, keys_t, values_t, chunk_work, grads)[::-1]
 
     zeros = _filled((queries, d_out, keys_t, values, work), keys_t.shape, 0.0)
     (dk_t, dv_t), dq = _scan(one_chunk, (zeros, zeros), _chunks((queries, d_out, lse, delta, work), sched.chunk))
