@@ -15,6 +15,7 @@ from .codegen import UnsafeTemplateValue
 from .config import NativeSparseAttentionConfig
 from .errors import NsaError, NsaSemanticError, NsaSyntaxError
 from .kernel import Invocation, Kernel, NativeSparseAttention
+from .runtime.platform import PlatformLimitError
 
 __all__ = [
     "AutotuneWarning",
@@ -25,6 +26,7 @@ __all__ = [
     "NsaError",
     "NsaSemanticError",
     "NsaSyntaxError",
+    "PlatformLimitError",
     "SparseAttention",
     "UnsafeTemplateValue",
     "__version__",

@@ -206,3 +206,35 @@ def test_the_runtime_renders_the_tpu_variant_for_backend_tpu():
     gpu_source = codegen.source("pallas", plan, nsa_dsl.NativeSparseAttentionConfig(backend="gpu"))
     assert "PrefetchScalarGridSpec" in tpu_source and "pltriton" not in tpu_source.split("# ---- TPU")[1]
     assert "PrefetchScalarGridSpec" not in gpu_source
+
+
+def long_selection(rng):
+    """A selection plan and inputs whose per-token schedule (4 bytes per token, KV head and entry:
+    16384 x 1 x 16) alone fills a TPU core's 1 MiB of scalar memory."""
+    plan = p.Plan(name="tpu_long", block_size=64, causal=True, params=(),
+                  branches=(p.SelectBranch("slc", model.Gate("g_slc", 1.0), 64),))
+    seq_len, width = 16384, 16
+    q, k, v = qkv(rng, 1, seq_len, 2, 1, 8)
+    selection = {"block_indices": random_indices(rng, 1, seq_len, 1, width, 64), "block_counts": width}
+    return plan, (q, k, v), {"g_slc": gate(rng, 1, seq_len, 2)}, selection
+
+
+def test_a_schedule_longer_than_scalar_memory_is_a_clear_error(rng):
+    """Asked for by name, the TPU variant refuses while tracing (nothing runs) and says why and
+    what to use, instead of leaving Mosaic's compiler to fail on the TPU."""
+    plan, (q, k, v), gates, selection = long_selection(rng)
+    with pytest.raises(nsa_dsl.PlatformLimitError,
+                       match=r"selection_forward would scalar-prefetch \d+ bytes.*scalar memory.*platform='xla'"):
+        jax.eval_shape(lambda q, k, v: attend(plan, q, k, v, gates=gates, platform="pallas", config=TPU, **selection),
+                       q, k, v)
+
+
+def test_an_automatic_choice_gives_way_to_xla_for_a_schedule_too_long(rng):
+    """Chosen automatically (the TPU's most specialised platform), the TPU variant gives way to
+    XLA with a warning: the output is XLA's, bit for bit."""
+    plan, (q, k, v), gates, selection = long_selection(rng)
+    with pytest.warns(UserWarning, match="scalar memory.*on XLA instead"):
+        automatic = attend(plan, q, k, v, gates=gates, config=TPU, **selection)
+    by_xla = attend(plan, q, k, v, gates=gates, platform="xla", config=TPU, **selection)
+    np.testing.assert_array_equal(np.asarray(automatic), np.asarray(by_xla))
+    assert np.abs(np.asarray(by_xla)).max() > 0

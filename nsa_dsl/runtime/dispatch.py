@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
@@ -15,7 +16,7 @@ from ..config import NativeSparseAttentionConfig
 from ..plan import build_block_table
 from ..plan import plan as p
 from . import validate
-from .platform import available_platforms, for_device, resolve_platform
+from .platform import PlatformLimitError, available_platforms, for_device, resolve_platform
 
 # Branch kinds each platform's templates implement (Pallas: its GPU and its TPU variant alike).
 _EVERY_KIND = (p.StaticBranch, p.SelectBranch, p.CompressBranch, p.TopKBranch)
@@ -54,6 +55,24 @@ def choose_platform(
             f"supports it"
         )
     return platform
+
+
+def run_on_platform(
+    plan: p.Plan, requested: str | None, config: NativeSparseAttentionConfig | None, query_shard: bool,
+    call: Callable[[str], object],
+):
+    """call(platform) on choose_platform's platform. One chosen automatically (neither `requested`
+    nor the config's platform names one) whose kernels cannot take these shapes (PlatformLimitError,
+    raised while tracing) gives way to XLA, with a warning; a platform asked for by name raises."""
+    platform = choose_platform(plan, requested, config, query_shard=query_shard)
+    try:
+        return call(platform)
+    except PlatformLimitError as err:
+        named = requested if requested not in (None, "auto") else getattr(config, "platform", None)
+        if platform == "xla" or named not in (None, "auto"):
+            raise
+        warnings.warn(f"{err}. Running pattern {plan.name!r} on XLA instead.", stacklevel=4)
+        return call("xla")
 
 
 def check_supported(plan: p.Plan, platform: str) -> None:
@@ -139,15 +158,13 @@ def selections(
     query, key, value, shapes = validate.attention_inputs(query, key, value, query_shard=query_offset is not None)
     cu = validate.cu_seqlens(cu_seqlens, shapes)
     shard = _query_shard(plan, query, query_offset, scoring_query, shapes, cu)
-    platform = choose_platform(plan, platform, config, query_shard=bool(shard))
-    return entry(platform, plan, config, "selections", pool_fns)(
-        query,
-        key,
-        value,
-        tables=kernel_tables(platform, plan, config, shapes.seq_len),
-        cu_seqlens=cu,
-        softmax_scale=validate.softmax_scale(softmax_scale, shapes),
-        **shard,
+    scale = validate.softmax_scale(softmax_scale, shapes)
+    return run_on_platform(
+        plan, platform, config, bool(shard),
+        lambda chosen: entry(chosen, plan, config, "selections", pool_fns)(
+            query, key, value, tables=kernel_tables(chosen, plan, config, shapes.seq_len), cu_seqlens=cu,
+            softmax_scale=scale, **shard,
+        ),
     )
 
 
@@ -298,16 +315,18 @@ def attend(
         query_shard=query_offset is not None,
     )
     shard = _query_shard(plan, given.query, query_offset, scoring_query, given.shapes, given.cu_seqlens)
-    platform = choose_platform(plan, platform, config, query_shard=bool(shard))
-    return entry(platform, plan, config, "attention", pool_fns)(
-        given.query,
-        given.key,
-        given.value,
-        gates=given.gates,
-        tables=kernel_tables(platform, plan, config, given.shapes.seq_len),
-        cu_seqlens=given.cu_seqlens,
-        softmax_scale=given.softmax_scale,
-        block_indices=given.block_indices,
-        block_counts=given.block_counts,
-        **shard,
+    return run_on_platform(
+        plan, platform, config, bool(shard),
+        lambda chosen: entry(chosen, plan, config, "attention", pool_fns)(
+            given.query,
+            given.key,
+            given.value,
+            gates=given.gates,
+            tables=kernel_tables(chosen, plan, config, given.shapes.seq_len),
+            cu_seqlens=given.cu_seqlens,
+            softmax_scale=given.softmax_scale,
+            block_indices=given.block_indices,
+            block_counts=given.block_counts,
+            **shard,
+        ),
     )

@@ -16,6 +16,11 @@ from ..config import PLATFORMS, NativeSparseAttentionConfig
 from ..resources import templates_dir
 
 _DEVICES = {"xla": ("cpu", "gpu", "tpu"), "triton": ("gpu",), "pallas": ("gpu", "tpu")}
+
+
+class PlatformLimitError(NotImplementedError):
+    """A platform's kernels cannot run these shapes (raised while tracing, before anything runs);
+    XLA can. A platform chosen automatically gives way to XLA (runtime.dispatch)."""
 # Devices where a platform's kernels run in an interpreter (slow; for tests): used when asked
 # for by name, never picked automatically.
 _INTERPRETED = {"triton": ("cpu",), "pallas": ("cpu",)}
