@@ -88,11 +88,13 @@ class SparseAttention:
         return codegen.source(platform, self.plan, for_device(self.config))
 
     def selections(self, query, key, value, *, cu_seqlens=None, softmax_scale=None, platform: str | None = None,
-                   pool_fns=None):
+                   pool_fns=None, query_offset=None, scoring_query=None):
         """The key blocks each topk branch selects for these inputs:
-        {branch name: [B, T, HKV, count] block ids of the branch's block size, -1 unused}."""
+        {branch name: [B, Tq, HKV, count] block ids of the branch's block size, -1 unused};
+        query_offset and scoring_query as for calls."""
         return selections(self.plan, query, key, value, cu_seqlens=cu_seqlens, softmax_scale=softmax_scale,
-                          platform=platform, config=self.config, pool_fns=pool_fns)
+                          platform=platform, config=self.config, pool_fns=pool_fns, query_offset=query_offset,
+                          scoring_query=scoring_query)
 
     def sharded(self, mesh=None, *, batch_axis=None, head_axis=None, sequence_axis=None):
         """This attention over a device mesh (nsa_dsl.sharding.ShardedAttention): called on global
@@ -119,13 +121,23 @@ class SparseAttention:
         block_indices=None,
         block_counts=None,
         pool_fns=None,
+        query_offset=None,
+        scoring_query=None,
         **extra_gates,
     ):
         """Sparse attention of this pattern. Gates ([B, T, HQ]) are passed by the names the
         pattern declares (g_cmp, g_slc, g_swa or its own); a branch whose gate is not passed
         weighs its declared default, or is skipped if it has none. `pool_fns` maps each compress
         branch declared with pool=learned to its pooling function
-        (k_blocks [C, l, HKV, D], v_blocks) -> (k_cmp [C, HKV, D], v_cmp)."""
+        (k_blocks [C, l, HKV, D], v_blocks) -> (k_cmp [C, HKV, D], v_cmp).
+
+        Fewer queries than keys: query [B, Tq, HQ, D] (and the gates and block_indices/counts of
+        those rows) are rows [query_offset, query_offset + Tq) of key's sequence axis, e.g. the
+        new tokens of a decoding step against a key/value cache of T >= query_offset + Tq rows
+        (with `causal`, the cache's rows past a query do not change its output; they must be
+        finite, as a zero-initialised cache's are: kernels load whole tiles). query_offset: an int or
+        an int32 scalar, may be traced. For a top-k per block(Q) they must be whole blocks of
+        the pattern, and on packed sequences `scoring_query` [B, T, HQ, D] every query."""
         gates = {"g_cmp": g_cmp, "g_slc": g_slc, "g_swa": g_swa, **extra_gates}
         return attend(
             self.plan,
@@ -140,6 +152,8 @@ class SparseAttention:
             platform=platform,
             config=self.config,
             pool_fns=pool_fns,
+            query_offset=query_offset,
+            scoring_query=scoring_query,
         )
 
 

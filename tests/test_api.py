@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -235,3 +236,34 @@ def test_exact_ties_go_to_the_lower_block(rng, platform, backend):
     expected = np.stack([own, np.where(own > 0, 0, -1), np.where(own > 1, 1, -1)], axis=-1)
     as_sets = lambda blocks: np.sort(np.where(blocks < 0, 1 << 30, blocks), axis=-1)  # noqa: E731
     np.testing.assert_array_equal(as_sets(chosen[0, :, 0]), as_sets(expected))
+
+
+def test_decoding_one_token_at_a_time_against_a_cache(rng):
+    """attention(q_new, k_cache, v_cache, query_offset=t): the new tokens' rows of the whole
+    sequence's output, for the NSA example (compression, top-k, window) with packed sequences:
+    one query at a time at rows on and off block edges (a sequence's first row, the last), and
+    a chunk of several; the cache's rows past a query change nothing (causal). Under jit the
+    offset is traced: one program for every position."""
+    attention = nsa_dsl.compile(EXAMPLES / "nsa.nsa")
+    seq_len, heads_q, heads_kv, head_dim = 200, 4, 2, 16
+    cu = jnp.asarray([0, 70, 200], jnp.int32)
+    q, k, v = qkv(rng, 1, seq_len, heads_q, heads_kv, head_dim)
+    gates = {name: gate(rng, 1, seq_len, heads_q) for name in ("g_cmp", "g_slc", "g_swa")}
+    whole = np.asarray(attention(q, k, v, cu_seqlens=cu, platform="xla", **gates))
+    assert np.abs(whole).max() > 0
+    stale = np.asarray(rng.standard_normal(k.shape), k.dtype)  # what a cache may hold past a query
+
+    def step(q_new, k_cache, v_cache, gates_new, position):
+        return attention(q_new, k_cache, v_cache, cu_seqlens=cu, platform="xla", query_offset=position, **gates_new)
+
+    decode = jax.jit(step)
+    for position in (0, 63, 64, 69, 70, 130, 199):
+        rows = slice(position, position + 1)
+        k_cache, v_cache = (np.where(np.arange(seq_len)[None, :, None, None] > position, stale, x) for x in (k, v))
+        out = decode(q[:, rows], k_cache, v_cache, {n: g[:, rows] for n, g in gates.items()}, jnp.int32(position))
+        assert_close(out, whole[:, rows], FORWARD_TOLERANCE, f"row {position}")
+    assert decode._cache_size() == 1
+    chunk = slice(37, 101)  # a prefill chunk across the sequence boundary, off block edges
+    out = attention(q[:, chunk], k, v, cu_seqlens=cu, platform="xla", query_offset=37,
+                    **{n: g[:, chunk] for n, g in gates.items()})
+    assert_close(out, whole[:, chunk], FORWARD_TOLERANCE, "rows 37:101")

@@ -355,11 +355,13 @@ def test_query_offset_static_pattern_against_the_reference(rng):
         return attend(attention.plan, q_rows, k, v, gates={"g_swa": g_rows}, cu_seqlens=cu, query_offset=offset)
 
     run = jax.jit(shard_attention)
-    for offset, size in shard_rows(seq_len, 3):
+    # Whole-block shards, then rows at any offset: single queries (decoding against a cache) at a
+    # sequence's first row, mid-block, at a block's last row, on the last row; a chunk across blocks.
+    for offset, size in [*shard_rows(seq_len, 3), (0, 1), (10, 1), (47, 1), (95, 1), (37, 13)]:
         rows = slice(offset, offset + size)
         assert_close(run(q[:, rows], k, v, g[:, rows], jnp.int32(offset)), expected[:, rows], FORWARD_TOLERANCE, f"rows {rows}")
 
-    offset, size = 32, 32  # holds the end of sequence 0's... and the start of sequence 2
+    offset, size = 29, 21  # the end of sequence 0's rows and the start of sequence 2's, not on block edges
     rows = slice(offset, offset + size)
     d_out = np.zeros_like(q)
     d_out[:, rows] = normal(rng, 1, size, heads_q, head_dim)
@@ -380,7 +382,7 @@ def test_query_offset_explicit_selection_against_the_reference(rng):
     expected = reference.forward(q, k, v, [reference.selection_mask(indices, 3, BLOCK)], [g], 1 / np.sqrt(head_dim))
     run = jax.jit(lambda q_rows, g_rows, idx, offset: attend(
         SELECTION, q_rows, k, v, gates={"g_slc": g_rows}, block_indices=idx, block_counts=3, query_offset=offset))
-    for offset, size in shard_rows(seq_len, 5):
+    for offset, size in [*shard_rows(seq_len, 5), (0, 1), (33, 1), (79, 1), (21, 30)]:
         rows = slice(offset, offset + size)
         assert_close(run(q[:, rows], g[:, rows], indices[:, rows], offset), expected[:, rows], FORWARD_TOLERANCE, f"rows {rows}")
 
@@ -389,38 +391,42 @@ def test_query_offset_explicit_selection_against_the_reference(rng):
 def test_query_offset_nsa_against_the_paper_reference(rng):
     """Selections of a shard's queries score like the reference's best over the whole sequence
     (compressed keys of the whole sequence, causal prefix before the shard); outputs and
-    gradients equal the reference's for those selections."""
+    gradients equal the reference's for those selections. Shards of whole blocks, one query
+    (decoding) and a few rows across a sequence boundary."""
     attention, spec = scaled_nsa()
     seq_len, heads_q, heads_kv, head_dim = 96, 4, 2, 16
     cu = np.array([0, 37, 96], np.int32)
     q, k, v = qkv(rng, 1, seq_len, heads_q, heads_kv, head_dim)
     g = {name: gate(rng, 1, seq_len, heads_q) for name in ("cmp", "slc", "swa")}
     _, _, ref_chosen, scores = nsa_reference(q, k, v, spec, gates=g, cu_seqlens=cu)
-    offset, size = 32, 32
-    rows = slice(offset, offset + size)
-    chosen = np.asarray(jax.jit(lambda q_rows, offset: selections(
-        attention.plan, q_rows, k, v, cu_seqlens=cu, query_offset=offset))(q[:, rows], offset)["slc"])
-    picked = lambda c: np.sort(np.where(c >= 0, np.take_along_axis(scores[:, rows], np.maximum(c, 0), -1), -np.inf), -1)
-    np.testing.assert_allclose(picked(chosen), picked(ref_chosen[:, rows]), rtol=1e-4, atol=1e-6)
-
-    full_choice = ref_chosen.copy()
-    full_choice[:, rows] = chosen
-    expected, _, _, _ = nsa_reference(q, k, v, spec, gates=g, cu_seqlens=cu, selected=full_choice)
-    d_out = np.zeros_like(q)
-    d_out[:, rows] = normal(rng, 1, size, heads_q, head_dim)
-    wanted = nsa_gradients(q, k, v, spec, g, full_choice, d_out, cu_seqlens=cu)
     names = ("cmp", "slc", "swa")
-    out, pullback = jax.vjp(
-        lambda q_rows, k, v, gs: attend(attention.plan, q_rows, k, v, gates={f"g_{n}": x for n, x in zip(names, gs)},
-                                        cu_seqlens=cu, query_offset=offset),
-        q[:, rows], k, v, [g[n][:, rows] for n in names])
-    assert_close(out, expected[:, rows], FORWARD_TOLERANCE, "output")
-    dq, dk, dv, dgates = pullback(jnp.asarray(d_out[:, rows]))
-    assert_close(dq, wanted["q"][:, rows], GRADIENT_TOLERANCE, "dq")
-    assert_close(dk, wanted["k"], GRADIENT_TOLERANCE, "dk")
-    assert_close(dv, wanted["v"], GRADIENT_TOLERANCE, "dv")
-    for name, actual in zip(names, dgates):
-        assert_close(actual, wanted[f"g_{name}"][:, rows], GRADIENT_TOLERANCE, f"dg_{name}")
+    for offset, size in ((32, 32), (61, 1), (35, 7)):
+        rows = slice(offset, offset + size)
+        chosen = np.asarray(jax.jit(lambda q_rows, offset: selections(
+            attention.plan, q_rows, k, v, cu_seqlens=cu, query_offset=offset))(q[:, rows], offset)["slc"])
+        picked = lambda c, rows=rows: np.sort(
+            np.where(c >= 0, np.take_along_axis(scores[:, rows], np.maximum(c, 0), -1), -np.inf), -1)
+        np.testing.assert_allclose(picked(chosen), picked(ref_chosen[:, rows]), rtol=1e-4, atol=1e-6)
+
+        full_choice = ref_chosen.copy()
+        full_choice[:, rows] = chosen
+        expected, _, _, _ = nsa_reference(q, k, v, spec, gates=g, cu_seqlens=cu, selected=full_choice)
+        d_out = np.zeros_like(q)
+        d_out[:, rows] = normal(rng, 1, size, heads_q, head_dim)
+        wanted = nsa_gradients(q, k, v, spec, g, full_choice, d_out, cu_seqlens=cu)
+        out, pullback = jax.vjp(
+            lambda q_rows, k, v, gs, offset=offset: attend(
+                attention.plan, q_rows, k, v, gates={f"g_{n}": x for n, x in zip(names, gs)}, cu_seqlens=cu,
+                query_offset=offset),
+            q[:, rows], k, v, [g[n][:, rows] for n in names])
+        where = f"rows {rows}"
+        assert_close(out, expected[:, rows], FORWARD_TOLERANCE, f"output, {where}")
+        dq, dk, dv, dgates = pullback(jnp.asarray(d_out[:, rows]))
+        assert_close(dq, wanted["q"][:, rows], GRADIENT_TOLERANCE, f"dq, {where}")
+        assert_close(dk, wanted["k"], GRADIENT_TOLERANCE, f"dk, {where}")
+        assert_close(dv, wanted["v"], GRADIENT_TOLERANCE, f"dv, {where}")
+        for name, actual in zip(names, dgates):
+            assert_close(actual, wanted[f"g_{name}"][:, rows], GRADIENT_TOLERANCE, f"dg_{name}, {where}")
 
 
 @in_worker
@@ -433,15 +439,23 @@ def test_query_offset_is_validated(rng):
         return attend(attention.plan, q_rows, k, v, gates={"g_swa": g[:, : q_rows.shape[1]]}, query_offset=offset, **options)
 
     for rows, offset, message in (
-        (32, 8, r"query_offset must be a multiple of the pattern's block \(16\) between 0 and seq_len - query rows = 32, got 8"),
-        (32, 48, r"between 0 and seq_len - query rows = 32, got 48"),
+        (32, 48, r"query_offset must be between 0 and seq_len - query rows = 32, got 48"),
+        (1, 64, r"between 0 and seq_len - query rows = 63, got 64"),
         (32, -16, r"got -16"),
-        (24, 0, r"query: a shard of the sequence axis \(24 of key's 64 rows\) must hold a multiple of the pattern's block \(16\)"),
         (32, True, r"query_offset must be an int or an integer scalar array"),
         (32, np.zeros(2, np.int32), r"query_offset must be an int or an integer scalar array"),
     ):
         with pytest.raises(ValueError, match=message):
             call(q[:, :rows], offset)
+    # A top-k per block(Q) scores groups of queries as one: its shards hold whole blocks.
+    grouped = per_block_nsa()
+    gates = {name: g[:, :32] for name in ("g_cmp", "g_slc")}
+    for rows, offset, message in (
+        (32, 8, r"query_offset must be a multiple of the pattern's block \(16\) between 0 and seq_len - query rows = 32, got 8"),
+        (24, 0, r"query: a shard of the sequence axis \(24 of key's 64 rows\) must hold a multiple of the pattern's block \(16\)"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            attend(grouped.plan, q[:, :rows], k, v, gates={n: x[:, :rows] for n, x in gates.items()}, query_offset=offset)
     with pytest.raises(ValueError, match=r"key must be \[batch=1, seq_len >= 64"):
         attend(attention.plan, q, k[:, :32], v[:, :32], gates={"g_swa": g}, query_offset=0)
     with pytest.raises(ValueError, match=r"key must be \[batch=1, seq_len=32,"):

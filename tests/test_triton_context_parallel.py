@@ -2,7 +2,8 @@
 of the keys' sequence axis) against every key, through `nsa_dsl.runtime.attend(...,
 query_offset=)` and `selections(..., query_offset=)` in one process (no mesh), the kernels run in
 Triton's interpreter on the CPU, against the float64 references (tests/reference.py,
-tests/nsa_reference.py) on fresh random inputs.
+tests/nsa_reference.py) on fresh random inputs. Shards start and end at any row, on block edges
+or not; some hold a single query, as a decoding step against a key/value cache does.
 
 For every shard: its output rows are the reference's rows. Gradients: one middle shard's (dq of
 its rows, dk and dv over every key, its rows' gates, the softmax scale) are the reference's for
@@ -50,7 +51,8 @@ SMALL_TILES = NativeSparseAttentionConfig(block_size=BLOCK, block_q=BLOCK, block
 
 
 def shards(*bounds: int) -> list[slice]:
-    """The row slices of shards whose boundaries are `bounds` (multiples of the block)."""
+    """The row slices of shards whose boundaries are `bounds` (any rows: a shard of one row is a
+    decoding step's query against the cache)."""
     return [slice(first, end) for first, end in itertools.pairwise(bounds)]
 
 
@@ -196,9 +198,10 @@ def check_nsa_shards(rng, source: str, spec: NsaSpec, q, k, v, gates: dict, cu_s
 
 
 def test_range_branches_on_packed_sequences_straddling_shards(rng):
-    """Two gated range branches (one launch); sequences start and end inside the four shards of
-    32 rows, one is empty, rows 119.. are in none; the default tiles (query tiles longer than a
-    shard); one jitted program for every shard."""
+    """Two gated range branches (one launch); sequences start and end inside the shards, one is
+    empty, rows 119.. are in none; shards on and off block edges, single rows among them (the
+    last row too); the default tiles (query tiles longer than a shard); one jitted program for
+    every shard size."""
     plan = nsa_dsl.compile(
         f"pattern ranged\nblock {BLOCK}\ncausal\ngate g_loc\n"
         "branch swa = window(20) | global(first=1) | stride(every=3, offset=1) gate g_swa\n"
@@ -210,7 +213,7 @@ def test_range_branches_on_packed_sequences_straddling_shards(rng):
     q, k, v = qkv(rng, 1, seq_len, heads_q, heads_kv, head_dim)
     gates = {name: gate(rng, 1, seq_len, heads_q) for name in ("g_swa", "g_loc")}
     expected, gradients = static_reference(plan, q, k, v, gates, cu)
-    output = check_every_shard(rng, static_attention(plan, cu), q, k, v, gates, shards(0, 32, 64, 96, 128),
+    output = check_every_shard(rng, static_attention(plan, cu), q, k, v, gates, shards(0, 32, 50, 51, 96, 127, 128),
                                expected, gradients)
     assert not output[:, 119:].any(), "rows in no sequence attend to nothing: zeros"
 
@@ -247,7 +250,7 @@ SELECTION = p.Plan(name="selection", block_size=BLOCK, causal=True, params=(),
 def test_explicit_selection_two_batch_rows_traced_scale(rng):
     """block_indices (some negative, past the token, repeated) and block_counts per token, cut to
     each shard's rows like the queries; the softmax scale a traced argument, its gradient too."""
-    check_explicit_selection(rng, shards(0, 16, 32, 48, 64))
+    check_explicit_selection(rng, shards(0, 16, 29, 30, 64))
 
 
 def check_explicit_selection(rng, rows: list[slice], platform=PLATFORM):
@@ -290,7 +293,7 @@ def test_nsa_on_packed_sequences_straddling_shards(rng):
     q, k, v = qkv(rng, 1, seq_len, heads_q, heads_kv, head_dim)
     gates = {name: gate(rng, 1, seq_len, heads_q) for name in ("g_cmp", "g_slc", "g_swa")}
     config = NativeSparseAttentionConfig(block_size=BLOCK, block_k=BLOCK)
-    output = check_nsa_shards(rng, source, spec, q, k, v, gates, cu, shards(0, 32, 64, 96), config)
+    output = check_nsa_shards(rng, source, spec, q, k, v, gates, cu, shards(0, 32, 61, 62, 96), config)
     assert not output[:, 85:].any(), "rows in no sequence attend to nothing: zeros"
 
 

@@ -181,7 +181,9 @@ def _query_shard(plan: p.Plan, query, query_offset, scoring_query, shapes: valid
         if scoring_query is not None:
             raise ValueError("scoring_query is for a shard of the queries: pass query_offset too")
         return {}
-    offset = validate.query_offset(query_offset, shapes, plan.block_size)
+    # A top-k per block(Q) scores each group of Q queries as one: its shards keep whole blocks.
+    grouped = any(isinstance(b, p.TopKBranch) and b.query_block > 1 for b in plan.branches)
+    offset = validate.query_offset(query_offset, shapes, plan.block_size if grouped else None)
     if shapes.query_len == shapes.seq_len:
         return {}  # the offset is 0
     if not needs_scoring_query(plan, cu):

@@ -93,25 +93,29 @@ def attention_inputs(
     return query, key, value, Shapes(batch, key.shape[1], heads_q, heads_kv, head_dim, query_len)
 
 
-def query_offset(value: object, shapes: Shapes, block: int) -> int | jax.Array:
-    """The key row of the first query (context parallelism: the queries are rows
-    [offset, offset + query_len) of the keys' sequence axis), an int or an int32 scalar that may
-    be traced. A shard must start and end on a block of the pattern."""
+def query_offset(value: object, shapes: Shapes, whole_blocks: int | None = None) -> int | jax.Array:
+    """The key row of the first query (the queries are rows [offset, offset + query_len) of the
+    keys' sequence axis: a shard for context parallelism, new tokens against a key/value cache when
+    decoding), an int or an int32 scalar that may be traced. Any rows, unless `whole_blocks` is
+    given (a pattern whose top-k scores per block(Q) of queries): then a shard must start and end
+    on a multiple of it."""
     scalar = np.ndim(value) == 0 and jnp.issubdtype(getattr(value, "dtype", type(value)), jnp.integer)
     if isinstance(value, (bool, np.bool_)) or not scalar:
         raise ValueError(f"query_offset must be an int or an integer scalar array, got {value!r}")
     offset = _index_array("query_offset", value) if isinstance(value, jax.Array) else int(value)
     if _is_concrete(offset):
         offset = int(offset)
+    block = whole_blocks or 1
     if shapes.query_len < shapes.seq_len and shapes.query_len % block:
         raise ValueError(
             f"query: a shard of the sequence axis ({shapes.query_len} of key's {shapes.seq_len} rows) must hold "
-            f"a multiple of the pattern's block ({block}) rows"
+            f"a multiple of the pattern's block ({block}) rows, as its top-k scores whole groups of queries"
         )
     if isinstance(offset, int) and (offset < 0 or offset % block or offset + shapes.query_len > shapes.seq_len):
+        multiple = f"a multiple of the pattern's block ({block}) " if block > 1 else ""
         raise ValueError(
-            f"query_offset must be a multiple of the pattern's block ({block}) between 0 and "
-            f"seq_len - query rows = {shapes.seq_len - shapes.query_len}, got {offset}"
+            f"query_offset must be {multiple}between 0 and seq_len - query rows = "
+            f"{shapes.seq_len - shapes.query_len}, got {offset}"
         )
     return offset
 
