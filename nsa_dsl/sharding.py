@@ -17,7 +17,8 @@ Three ways to split the work, combinable, each an axis of the mesh (or a tuple o
   causality, windows, block tables, compression (compressed keys pool the whole sequence) and
   top-k selection see the keys they see on one device: results and gradients equal the
   single-device ones. The gradient of the gather is a reduce-scatter, leaving each device the
-  key/value gradients of its own rows. T / P must be a multiple of the pattern's block; packed
+  key/value gradients of its own rows. T / P may be any number of rows (for a top-k per block(Q),
+  a multiple of the pattern's block); packed
   sequences (cu_seqlens, global offsets, replicated) may straddle shard boundaries.
   Memory: every device holds the whole sequence's keys and values of its heads; with packed
   sequences and a top-k `per block(Q)`, whose groups may straddle shards, also every query (for
@@ -234,11 +235,14 @@ class ShardedAttention:
                 f"{self.head_axis!r}; query heads are sharded with their KV head so that no group of "
                 f"{shapes.heads_q // shapes.heads_kv} query heads is split"
             )
-        block = self.plan.block_size
-        if sequence > 1 and shapes.seq_len % (sequence * block):
+        # A top-k per block(Q) scores groups of queries as one: each shard holds whole blocks.
+        grouped = any(isinstance(b, p.TopKBranch) and b.query_block > 1 for b in self.plan.branches)
+        rows = sequence * self.plan.block_size if grouped else sequence
+        if sequence > 1 and shapes.seq_len % rows:
+            whole_blocks = f" times the pattern's block ({self.plan.block_size}): its top-k scores whole groups"
             raise ValueError(
                 f"query: seq_len {shapes.seq_len} must be divisible by the {sequence} devices of sequence_axis "
-                f"{self.sequence_axis!r} times the pattern's block ({block}): each shard holds whole blocks"
+                f"{self.sequence_axis!r}{whole_blocks if grouped else ''}"
             )
         return batch, heads, sequence
 

@@ -153,6 +153,19 @@ def test_nsa_every_sharding_with_the_sequence(rng):
 
 
 @in_worker
+def test_nsa_context_parallel_shards_off_block_edges(rng):
+    """Full NSA over 8 shards of 13 rows (T = 104, blocks of 16): every shard starts and ends
+    off a block edge, single-device output and gradients all the same."""
+    attention, _ = scaled_nsa()
+    seq_len, heads_q, heads_kv, head_dim = 104, 4, 2, 16
+    q, k, v = qkv(rng, 1, seq_len, heads_q, heads_kv, head_dim)
+    gates, d_out = nsa_gates(rng, 1, seq_len, heads_q), normal(rng, 1, seq_len, heads_q, head_dim)
+    single = forward_and_gradients(attention, q, k, v, gates, d_out)
+    layer = attention.sharded(mesh(sp=8), sequence_axis="sp")
+    assert_same(forward_and_gradients(layer, q, k, v, gates, d_out), single, "context, 13 rows a shard")
+
+
+@in_worker
 def test_nsa_context_parallel_packed_sequences_straddle_shards(rng):
     """cu_seqlens [B == 1] whose sequences start and end inside shards of 16 rows; rows past the
     last sequence belong to none."""
@@ -248,8 +261,13 @@ def test_sharding_errors(rng):
     gates = nsa_gates(rng, 2, 64, 6)
     with pytest.raises(ValueError, match=r"num_kv_heads 3 is not divisible by the 2 devices of head_axis 'tp'.*group"):
         attention.sharded(mesh(tp=2), head_axis="tp")(q, k, v, **gates)
-    with pytest.raises(ValueError, match=r"seq_len 64 must be divisible by the 8 devices of sequence_axis 'sp' times the pattern's block \(16\)"):
-        attention.sharded(mesh(sp=8), sequence_axis="sp")(q, k, v, **gates)
+    with pytest.raises(ValueError, match=r"seq_len 60 must be divisible by the 8 devices of sequence_axis 'sp'$"):
+        attention.sharded(mesh(sp=8), sequence_axis="sp")(q[:, :60], k[:, :60], v[:, :60],
+                                                          **{n: g[:, :60] for n, g in gates.items()})
+    grouped_gates = {name: gates[name] for name in ("g_cmp", "g_slc")}
+    with pytest.raises(ValueError, match=r"seq_len 64 must be divisible by the 8 devices of sequence_axis 'sp' times "
+                                         r"the pattern's block \(16\): its top-k scores whole groups"):
+        per_block_nsa().sharded(mesh(sp=8), sequence_axis="sp")(q, k, v, **grouped_gates)
     with pytest.raises(ValueError, match=r"batch 1 is not divisible by the 2 devices.*cu_seqlens"):
         attention.sharded(mesh(dp=2), batch_axis="dp")(q[:1], k[:1], v[:1], cu_seqlens=np.array([0, 64]),
                                                        **{n: g[:1] for n, g in gates.items()})
