@@ -235,8 +235,7 @@ class ShardedAttention:
                 f"{self.head_axis!r}; query heads are sharded with their KV head so that no group of "
                 f"{shapes.heads_q // shapes.heads_kv} query heads is split"
             )
-        # A top-k per block(Q) scores groups of queries as one: each shard holds whole blocks.
-        grouped = any(isinstance(b, p.TopKBranch) and b.query_block > 1 for b in self.plan.branches)
+        grouped = dispatch.grouped_topk(self.plan) is not None
         rows = sequence * self.plan.block_size if grouped else sequence
         if sequence > 1 and shapes.seq_len % rows:
             whole_blocks = f" times the pattern's block ({self.plan.block_size}): its top-k scores whole groups"

@@ -168,10 +168,16 @@ def selections(
     )
 
 
+def grouped_topk(plan: p.Plan) -> str | None:
+    """The name of a topk branch that selects per block(Q) of queries (Q > 1), scoring each group as
+    one: a shard of its queries must hold whole blocks. None if the plan has none."""
+    return next((b.name for b in plan.branches if isinstance(b, p.TopKBranch) and b.query_block > 1), None)
+
+
 def needs_scoring_query(plan: p.Plan, cu_seqlens) -> bool:
     """Whether a shard of the queries needs every query for its top-k: a per block(Q) group is
     counted from its sequence's start, so with packed sequences it may straddle two shards."""
-    return cu_seqlens is not None and any(isinstance(b, p.TopKBranch) and b.query_block > 1 for b in plan.branches)
+    return cu_seqlens is not None and grouped_topk(plan) is not None
 
 
 def _query_shard(plan: p.Plan, query, query_offset, scoring_query, shapes: validate.Shapes, cu) -> dict:
@@ -181,17 +187,14 @@ def _query_shard(plan: p.Plan, query, query_offset, scoring_query, shapes: valid
         if scoring_query is not None:
             raise ValueError("scoring_query is for a shard of the queries: pass query_offset too")
         return {}
-    # A top-k per block(Q) scores each group of Q queries as one: its shards keep whole blocks.
-    grouped = any(isinstance(b, p.TopKBranch) and b.query_block > 1 for b in plan.branches)
-    offset = validate.query_offset(query_offset, shapes, plan.block_size if grouped else None)
+    offset = validate.query_offset(query_offset, shapes, plan.block_size if grouped_topk(plan) else None)
     if shapes.query_len == shapes.seq_len:
         return {}  # the offset is 0
     if not needs_scoring_query(plan, cu):
         return {"query_offset": offset}
     if scoring_query is None:
-        grouped = next(b.name for b in plan.branches if isinstance(b, p.TopKBranch) and b.query_block > 1)
         raise ValueError(
-            f"scoring_query: topk branch {grouped!r} of pattern {plan.name!r} selects per block of queries counted "
+            f"scoring_query: topk branch {grouped_topk(plan)!r} of pattern {plan.name!r} selects per block of queries counted "
             f"from each sequence's start, and with cu_seqlens such a block may straddle two shards: pass every "
             f"query of the sequence axis as scoring_query (ShardedAttention does)"
         )
