@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -49,6 +50,24 @@ PAPER = NsaSpec(compress_block=32, compress_stride=16, select_count=16, select_b
                 forced=lambda qb, kb: kb < 1 or qb - 2 < kb <= qb)
 MEANPOOL = NsaSpec(compress_block=64, compress_stride=64, select_count=16, select_block=64,
                    forced=lambda qb, kb: kb == qb)
+
+
+# The same examples scaled down to blocks of 16 (compress 8/4, top-5, window 24; compress 16/16,
+# top-4) for the interpreters, whose programs run in Python.
+SMALL_PAPER = NsaSpec(compress_block=8, compress_stride=4, select_count=5, select_block=16, window=24,
+                      forced=PAPER.forced)
+SMALL_MEANPOOL = NsaSpec(compress_block=16, compress_stride=16, select_count=4, select_block=16, forced=MEANPOOL.forced)
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def small_example(name: str) -> tuple[str, NsaSpec]:
+    """The source of examples/<name>.nsa ("nsa" or "nsa_meanpool") scaled down, and its spec."""
+    text = (EXAMPLES / f"{name}.nsa").read_text().replace("block 64", "block 16")
+    if name == "nsa":
+        text = text.replace("compress(block=32, stride=16)", "compress(block=8, stride=4)")
+        return text.replace("topk(16, block=64", "topk(5, block=16").replace("window(512)", "window(24)"), SMALL_PAPER
+    text = text.replace("compress(block=64, stride=64)", "compress(block=16, stride=16)")
+    return text.replace("topk(16, block=64", "topk(4, block=16"), SMALL_MEANPOOL
 
 
 def chosen_scores(scores, chosen):

@@ -30,7 +30,7 @@ import pytest
 import reference
 from conftest import FORWARD_TOLERANCE, GRADIENT_TOLERANCE, assert_close, gate, normal, qkv, random_indices
 from jax.sharding import NamedSharding
-from nsa_reference import NsaSpec, nsa_gradients, nsa_reference
+from nsa_reference import NsaSpec, nsa_gradients, nsa_reference, small_example
 
 import nsa_dsl
 from nsa_dsl.dsl import model
@@ -73,12 +73,8 @@ def test_on_eight_host_devices():
 
 def scaled_nsa() -> tuple[nsa_dsl.SparseAttention, NsaSpec]:
     """examples/nsa.nsa with blocks of 16 (compress 8/4, top-5 of 16, window 24) and its reference spec."""
-    text = (EXAMPLES / "nsa.nsa").read_text().replace("block 64", f"block {BLOCK}")
-    text = text.replace("compress(block=32, stride=16)", "compress(block=8, stride=4)")
-    text = text.replace("topk(16, block=64", "topk(5, block=16").replace("window(512)", "window(24)")
-    spec = NsaSpec(compress_block=8, compress_stride=4, select_count=5, select_block=16, window=24,
-                   forced=lambda qb, kb: kb < 1 or qb - 2 < kb <= qb)
-    return nsa_dsl.compile(text), spec
+    source, spec = small_example("nsa")
+    return nsa_dsl.compile(source), spec
 
 
 STATIC = f"pattern static\nblock {BLOCK}\ncausal\nbranch a = window(20) | global(first=1) | stride(every=3, offset=1) gate g_swa\n"

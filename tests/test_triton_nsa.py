@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import assert_close, gate, normal, qkv
-from nsa_reference import MEANPOOL, PAPER, NsaSpec, chosen_scores, nsa_gradients, nsa_reference
+from nsa_reference import NsaSpec, chosen_scores, nsa_gradients, nsa_reference, small_example
 
 import nsa_dsl
 from nsa_dsl import codegen
@@ -32,21 +32,6 @@ import triton.language as tl  # noqa: E402
 TOLERANCE = {np.float32: (2e-5, 1e-4, 1e-4), np.float16: (5e-3, 5e-3, 2e-2)}
 
 # The examples scaled down so that short sequences hold many blocks.
-SMALL_PAPER = NsaSpec(compress_block=8, compress_stride=4, select_count=5, select_block=16, window=24,
-                      forced=PAPER.forced)
-SMALL_MEANPOOL = NsaSpec(compress_block=16, compress_stride=16, select_count=4, select_block=16, forced=MEANPOOL.forced)
-
-
-def small_example(name: str) -> tuple[str, NsaSpec]:
-    with open(f"examples/{name}.nsa") as source:
-        text = source.read().replace("block 64", "block 16")
-    if name == "nsa":
-        text = text.replace("compress(block=32, stride=16)", "compress(block=8, stride=4)")
-        return text.replace("topk(16, block=64", "topk(5, block=16").replace("window(512)", "window(24)"), SMALL_PAPER
-    text = text.replace("compress(block=64, stride=64)", "compress(block=16, stride=16)")
-    return text.replace("topk(16, block=64", "topk(4, block=16"), SMALL_MEANPOOL
-
-
 def weighted_pool(weights):
     """A learned pooling function: the weighted sum of a compressed block's tokens."""
     return lambda kb, vb: (jnp.einsum("cjhd,j->chd", kb, weights), jnp.einsum("cjhd,j->chd", vb, weights))
