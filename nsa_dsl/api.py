@@ -11,7 +11,7 @@ from .dsl import model
 from .kernel import NativeSparseAttention, compressed_selection_plan, selection_plan
 from .plan import lower
 from .plan import plan as p
-from .runtime import attend, check_supported, choose_platform, selections
+from .runtime import attend, check_supported, choose_platform, compressed_cache, selections
 from .runtime.check import CheckReport, check_pattern
 from .runtime.platform import for_device
 
@@ -88,13 +88,26 @@ class SparseAttention:
         return codegen.source(platform, self.plan, for_device(self.config))
 
     def selections(self, query, key, value, *, cu_seqlens=None, softmax_scale=None, platform: str | None = None,
-                   pool_fns=None, query_offset=None, scoring_query=None):
+                   pool_fns=None, query_offset=None, scoring_query=None, compressed=None):
         """The key blocks each topk branch selects for these inputs:
         {branch name: [B, Tq, HKV, count] block ids of the branch's block size, -1 unused};
-        query_offset and scoring_query as for calls."""
+        query_offset, scoring_query and compressed as for calls."""
         return selections(self.plan, query, key, value, cu_seqlens=cu_seqlens, softmax_scale=softmax_scale,
                           platform=platform, config=self.config, pool_fns=pool_fns, query_offset=query_offset,
-                          scoring_query=scoring_query)
+                          scoring_query=scoring_query, compressed=compressed)
+
+    def compress(self, key, value, *, cu_seqlens=None, pool_fns=None, cache=None, new_rows=None):
+        """The compressed keys and values of this pattern's compress branches for key/value
+        [B, T, HKV, D], kept beside a key/value cache for decoding: pass them to calls as
+        `compressed=` and the compress branches read them instead of pooling all T keys again
+        ({branch name: (k_cmp, v_cmp)}, float32 [B, T // stride + 1 (or + N with cu_seqlens), HKV, D];
+        a call computes what it would without them, up to the rounding of the float32 pooling).
+
+        After writing key rows [first, first + count) of the cache, `compress(key, value,
+        cache=cache, new_rows=(first, count))` recomputes only the compressed keys that pool them
+        (first may be traced, count is static): O(count) work, jit- and scan-friendly."""
+        return compressed_cache.pool(self.plan, key, value, cu_seqlens=cu_seqlens, pool_fns=pool_fns, cache=cache,
+                                     new_rows=new_rows)
 
     def sharded(self, mesh=None, *, batch_axis=None, head_axis=None, sequence_axis=None):
         """This attention over a device mesh (nsa_dsl.sharding.ShardedAttention): called on global
@@ -123,6 +136,7 @@ class SparseAttention:
         pool_fns=None,
         query_offset=None,
         scoring_query=None,
+        compressed=None,
         **extra_gates,
     ):
         """Sparse attention of this pattern. Gates ([B, T, HQ]) are passed by the names the
@@ -137,7 +151,8 @@ class SparseAttention:
         (with `causal`, the cache's rows past a query do not change its output; they must be
         finite, as a zero-initialised cache's are: kernels load whole tiles). query_offset: an int or
         an int32 scalar, may be traced. For a top-k per block(Q) they must be whole blocks of
-        the pattern, and on packed sequences `scoring_query` [B, T, HQ, D] every query."""
+        the pattern, and on packed sequences `scoring_query` [B, T, HQ, D] every query.
+        `compressed`: the keys' compressed cache (see `compress`), for decoding steps."""
         gates = {"g_cmp": g_cmp, "g_slc": g_slc, "g_swa": g_swa, **extra_gates}
         return attend(
             self.plan,
@@ -154,6 +169,7 @@ class SparseAttention:
             pool_fns=pool_fns,
             query_offset=query_offset,
             scoring_query=scoring_query,
+            compressed=compressed,
         )
 
 

@@ -1,5 +1,6 @@
 """The runtime: platform detection, input validation, host tables, dispatch to generated kernels."""
 
+from . import compressed_cache
 from .dispatch import (
     attend,
     block_table,
@@ -19,6 +20,7 @@ __all__ = [
     "block_table",
     "branch_tables",
     "check_supported",
+    "compressed_cache",
     "choose_platform",
     "kernel",
     "needs_scoring_query",

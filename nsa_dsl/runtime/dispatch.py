@@ -15,7 +15,7 @@ from .. import codegen
 from ..config import NativeSparseAttentionConfig
 from ..plan import build_block_table
 from ..plan import plan as p
-from . import validate
+from . import compressed_cache, validate
 from .platform import PlatformLimitError, available_platforms, for_device, resolve_platform
 
 # Branch kinds each platform's templates implement (Pallas: its GPU and its TPU variant alike).
@@ -150,22 +150,32 @@ def selections(
     pool_fns: Mapping[str, Callable] | None = None,
     query_offset=None,
     scoring_query=None,
+    compressed=None,
 ):
     """{top-k branch name: [B, Tq, HKV, count] selected block ids (-1 unused)} of `plan`;
-    query_offset and scoring_query as for `attend`."""
+    query_offset, scoring_query and compressed as for `attend`."""
     if not any(isinstance(b, p.TopKBranch) for b in plan.branches):
         raise ValueError(f"pattern {plan.name!r} has no topk branch")
     query, key, value, shapes = validate.attention_inputs(query, key, value, query_shard=query_offset is not None)
     cu = validate.cu_seqlens(cu_seqlens, shapes)
     shard = _query_shard(plan, query, query_offset, scoring_query, shapes, cu)
     scale = validate.softmax_scale(softmax_scale, shapes)
+    cached = _compressed(plan, compressed, shapes, cu)
     return run_on_platform(
         plan, platform, config, bool(shard),
-        lambda chosen: entry(chosen, plan, config, "selections", pool_fns)(
+        lambda chosen: entry(chosen, plan, config, "selections", pool_fns, pools=not cached)(
             query, key, value, tables=kernel_tables(chosen, plan, config, shapes.seq_len), cu_seqlens=cu,
-            softmax_scale=scale, **shard,
+            softmax_scale=scale, **shard, **cached,
         ),
     )
+
+
+def _compressed(plan: p.Plan, compressed, shapes: validate.Shapes, cu) -> dict:
+    """The kernel's compressed argument: none, or the caller's compressed cache, validated."""
+    if compressed is None:
+        return {}
+    num_seqs = 1 if cu is None else cu.shape[0] - 1
+    return {"compressed": validate.compressed_cache(compressed, compressed_cache.strides(plan), shapes, num_seqs)}
 
 
 def grouped_topk(plan: p.Plan) -> str | None:
@@ -215,20 +225,15 @@ def _tables_read(platform: str, plan: p.Plan, config: NativeSparseAttentionConfi
     return codegen.load_module(platform, plan, for_device(config)).TABLES
 
 
-def entry(platform: str, plan: p.Plan, config, name: str, pool_fns: Mapping[str, Callable] | None) -> Callable:
+def entry(
+    platform: str, plan: p.Plan, config, name: str, pool_fns: Mapping[str, Callable] | None, pools: bool = True
+) -> Callable:
     """The generated `name` function to call: jitted and cached when the plan pools with its
-    own means; with learned pooling functions, the module's function itself (the functions
-    close over parameters, so the caller's jit traces them along)."""
-    learned = sorted(b.name for b in plan.branches if isinstance(b, p.CompressBranch) and b.pool == "learned")
-    given = dict(pool_fns or {})
-    if sorted(given) != learned:
-        raise ValueError(
-            f"pool_fns: pattern {plan.name!r} pools with learned functions in branches {learned or 'none'}; "
-            f"got functions for {sorted(given) or 'none'}"
-        )
-    for branch, fn in given.items():
-        if not callable(fn):
-            raise ValueError(f"pool_fns[{branch!r}] must be a callable (k_blocks, v_blocks) -> (k_cmp, v_cmp)")
+    own means (or the call does not pool: `pools` False, a compressed cache was given); with
+    learned pooling functions, the module's function itself (the functions close over
+    parameters, so the caller's jit traces them along)."""
+    learned = compressed_cache.learned_branches(plan)
+    given = validate.pool_fns(pool_fns, learned if pools or pool_fns else [], plan.name)
     if not given:
         return kernel(platform, plan, config, name)
     check_supported(plan, platform)
@@ -296,12 +301,15 @@ def attend(
     pool_fns: Mapping[str, Callable] | None = None,
     query_offset=None,
     scoring_query=None,
+    compressed=None,
 ):
     """Sparse attention of `plan` on [B, T, H, D] inputs; see the generated module's contract.
 
     With `query_offset` (an int or an integer scalar, may be traced) the queries [B, Tq, HQ, D]
     may be a shard of the sequence axis: rows [query_offset, query_offset + Tq) of the keys'
-    (context parallelism); Tq and query_offset must then be multiples of the pattern's block.
+    (context parallelism, or the new tokens of a decoding step); for a top-k per block(Q), Tq and
+    query_offset must be multiples of the pattern's block. `compressed`: the keys' compressed
+    cache (compressed_cache.pool), which the compress branches then read instead of pooling.
     Gates, block_indices and block_counts are the queries'; cu_seqlens are in key rows. A shard
     of a plan that selects per block(Q) on packed sequences (needs_scoring_query) also needs
     `scoring_query`, the queries of every row [B, T, HQ, D], which its top-k scores from.
@@ -320,9 +328,10 @@ def attend(
         query_shard=query_offset is not None,
     )
     shard = _query_shard(plan, given.query, query_offset, scoring_query, given.shapes, given.cu_seqlens)
+    cached = _compressed(plan, compressed, given.shapes, given.cu_seqlens)
     return run_on_platform(
         plan, platform, config, bool(shard),
-        lambda chosen: entry(chosen, plan, config, "attention", pool_fns)(
+        lambda chosen: entry(chosen, plan, config, "attention", pool_fns, pools=not cached)(
             given.query,
             given.key,
             given.value,
@@ -333,5 +342,6 @@ def attend(
             block_indices=given.block_indices,
             block_counts=given.block_counts,
             **shard,
+            **cached,
         ),
     )

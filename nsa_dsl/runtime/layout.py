@@ -111,14 +111,12 @@ class QueryRows(NamedTuple):
 
 def per_batch_row(entry, query, key, value, scoring_query, **arrays):
     """`entry` (a generated module's attention or selections) called for each batch row of the
-    query, key, value, scoring_query and every array in `arrays` (dicts of them, or None), its
+    query, key, value, scoring_query and every array in `arrays` (pytrees of them, or None), its
     results concatenated along the batch: a shard of the queries of several batch rows is one
     shift of the key rows per batch row, and the kernels take one shift."""
 
     def row(x, b):
-        if isinstance(x, dict):
-            return {name: row(value, b) for name, value in x.items()}
-        return None if x is None else x[b : b + 1]
+        return jax.tree.map(lambda array: array[b : b + 1], x)
 
     results = [
         entry(query[b : b + 1], key[b : b + 1], value[b : b + 1], scoring_query=row(scoring_query, b),
@@ -310,18 +308,65 @@ def seen_compressed(pos, block: int, stride: int) -> jax.Array:
     return jnp.where(pos >= block - 1, (pos - (block - 1)) // stride + 1, 0)
 
 
-def pool_compressed(k, v, offsets: jax.Array, block: int, stride: int, pool_fn=None, dtype=jnp.float32) -> Compressed:
-    """compress(block, stride) of k/v [N, HKV, D]: key i of a sequence pools its tokens
-    [i * stride, i * stride + block) (those of complete blocks only) as pool_fn(k_blocks, v_blocks)
-    of the [C, block, HKV, D] float32 tokens (their mean when pool_fn is None), cast to `dtype`.
-    A gather, so that gradients reach k, v and the pooling's parameters by autodiff."""
-    num_seqs = offsets.shape[0] - 1
+def compressed_offsets(offsets: jax.Array, block: int, stride: int) -> jax.Array:
+    """[num_seqs + 1] int32: Compressed.cmp_offsets of compress(block, stride) over the sequences
+    [offsets[n], offsets[n + 1]) (a sequence of L >= block rows has (L - block) // stride + 1 keys)."""
     lengths = jnp.maximum(offsets[1:] - offsets[:-1], 0)
     counts = jnp.where(lengths >= block, (lengths - block) // stride + 1, 0)
-    cmp_offsets = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(counts).astype(jnp.int32)])
-    row = jnp.arange(k.shape[0] // stride + num_seqs, dtype=jnp.int32)
+    return jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(counts).astype(jnp.int32)])
+
+
+def compressed_rows(keys: int, num_seqs: int, stride: int) -> int:
+    """The static row count of pool_compressed's arrays for `keys` key rows of num_seqs sequences."""
+    return keys // stride + num_seqs
+
+
+def pool_compressed(
+    k, v, offsets: jax.Array, block: int, stride: int, pool_fn=None, dtype=jnp.float32, rows=None
+) -> Compressed:
+    """compress(block, stride) of k/v [N, HKV, D]: key i of a sequence pools its tokens
+    [i * stride, i * stride + block) (those of complete blocks only) as pool_fn(k_blocks, v_blocks)
+    of the [C, block, HKV, D] float32 tokens (their mean when pool_fn is None), cast to `dtype`;
+    rows past the last sequence's keys are zeros. A gather, so that gradients reach k, v and the
+    pooling's parameters by autodiff. `rows`:
+    (first, count) pools rows [first, first + count) only (first may be traced, count is static),
+    the rows a compressed cache recomputes after new keys were written (compressed_cache.py)."""
+    num_seqs = offsets.shape[0] - 1
+    cmp_offsets = compressed_offsets(offsets, block, stride)
+    first, count = rows if rows is not None else (0, compressed_rows(k.shape[0], num_seqs, stride))
+    row = first + jnp.arange(count, dtype=jnp.int32)
     seq = jnp.clip(jnp.searchsorted(cmp_offsets[1:], row, side="right"), 0, num_seqs - 1)
     tokens = (offsets[seq] + (row - cmp_offsets[seq]) * stride)[:, None] + jnp.arange(block)
     k_blocks, v_blocks = (jnp.take(x, tokens, axis=0, mode="clip").astype(jnp.float32) for x in (k, v))
     k_cmp, v_cmp = (k_blocks.mean(axis=1), v_blocks.mean(axis=1)) if pool_fn is None else pool_fn(k_blocks, v_blocks)
-    return Compressed(k_cmp.astype(dtype), v_cmp.astype(dtype), cmp_offsets)
+    live = (row < cmp_offsets[-1])[:, None, None]  # rows past every sequence's keys: zeros, whatever the tokens
+    return Compressed(*(jnp.where(live, x, 0).astype(dtype) for x in (k_cmp, v_cmp)), cmp_offsets)
+
+
+def first_compressed_row(offsets: jax.Array, key_row, block: int, stride: int) -> jax.Array:
+    """The first row of pool_compressed's arrays whose compressed key pools key row `key_row` or
+    a later row of the sequences [offsets[n], offsets[n + 1]) (the row after its sequence's
+    keys when none of them does): rows before it pool only earlier key rows."""
+    cmp_offsets = compressed_offsets(offsets, block, stride)
+    seq = jnp.clip(jnp.searchsorted(offsets[1:], key_row, side="right"), 0, offsets.shape[0] - 2)
+    first_key = jnp.maximum(-((block - 1 - (key_row - offsets[seq])) // stride), 0)  # ceil((pos - block + 1) / stride)
+    return jnp.minimum(cmp_offsets[seq] + first_key, cmp_offsets[seq + 1]).astype(jnp.int32)
+
+
+def cached_compressed(cache, keys: int, offsets: jax.Array, block: int, stride: int, dtype) -> Compressed:
+    """pool_compressed(k, v, offsets, block, stride, ..., dtype) of `keys` key rows, read from a
+    compressed cache (k_cmp, v_cmp) [B, R, HKV, D] of those keys (compressed_cache.py: each batch
+    row's own pool_compressed rows): rows past a sequence's keys are never visible, so batch
+    rows are laid one after another by their live rows and the rest is zeros."""
+    cmp_offsets = compressed_offsets(offsets, block, stride)
+    rows = compressed_rows(keys, offsets.shape[0] - 1, stride)
+
+    def flat(x):
+        batch = x.shape[0]
+        if batch == 1:
+            return x[0].astype(dtype)
+        live = max((keys // batch - block) // stride + 1, 0)  # one sequence a batch row
+        x = x[:, :live].reshape(batch * live, *x.shape[2:])
+        return jnp.pad(x, [(0, rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1)).astype(dtype)
+
+    return Compressed(flat(cache[0]), flat(cache[1]), cmp_offsets)

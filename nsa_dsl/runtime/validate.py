@@ -93,18 +93,94 @@ def attention_inputs(
     return query, key, value, Shapes(batch, key.shape[1], heads_q, heads_kv, head_dim, query_len)
 
 
+def _key_row(name: str, value: object) -> int | jax.Array:
+    """A row of the keys' sequence axis: an int, or an int32 scalar array when traced."""
+    scalar = np.ndim(value) == 0 and jnp.issubdtype(getattr(value, "dtype", type(value)), jnp.integer)
+    if isinstance(value, (bool, np.bool_)) or not scalar:
+        raise ValueError(f"{name} must be an int or an integer scalar array, got {value!r}")
+    row = _index_array(name, value) if isinstance(value, jax.Array) else int(value)
+    return int(row) if _is_concrete(row) else row
+
+
+def key_value_inputs(key: object, value: object) -> tuple[jax.Array, jax.Array, Shapes]:
+    """key and value [batch, seq_len, num_kv_heads, head_dim] as arrays, and their shapes (a
+    query of key's shape): the inputs of a compressed cache."""
+    key, value = _array("key", key), _array("value", value)
+    if key.ndim != 4 or 0 in key.shape:
+        raise ValueError(f"key must be a non-empty [batch, seq_len, num_kv_heads, head_dim] array, got shape {key.shape}")
+    if key.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"key must be float32, bfloat16, float16 or float64, got {key.dtype}")
+    if value.shape != key.shape or value.dtype != key.dtype:
+        raise ValueError(f"value must have key's shape {key.shape} and dtype {key.dtype}, got {value.shape} {value.dtype}")
+    batch, seq_len, heads_kv, head_dim = key.shape
+    return key, value, Shapes(batch, seq_len, heads_kv, heads_kv, head_dim, seq_len)
+
+
+def pool_fns(given: Mapping[str, object] | None, learned: list[str], pattern: str) -> dict[str, object]:
+    """The pooling functions of the compress branches declared with pool=learned (`learned`):
+    exactly one callable for each."""
+    functions = dict(given or {})
+    if sorted(functions) != learned:
+        raise ValueError(
+            f"pool_fns: pattern {pattern!r} pools with learned functions in branches {learned or 'none'}; "
+            f"got functions for {sorted(functions) or 'none'}"
+        )
+    for branch, fn in functions.items():
+        if not callable(fn):
+            raise ValueError(f"pool_fns[{branch!r}] must be a callable (k_blocks, v_blocks) -> (k_cmp, v_cmp)")
+    return functions
+
+
+def compressed_cache(value: object, strides: Mapping[str, int], shapes: Shapes, num_seqs: int):
+    """A compressed cache (nsa_dsl.runtime.compressed_cache) of keys of `shapes` packing num_seqs
+    sequences a batch row: {compress branch: (k_cmp, v_cmp)} for every branch in `strides`, each
+    float32 [batch, seq_len // stride + num_seqs, num_kv_heads, head_dim]."""
+    if not isinstance(value, Mapping) or sorted(value) != sorted(strides):
+        got = sorted(value) if isinstance(value, Mapping) else type(value).__name__
+        raise ValueError(
+            f"compressed must be the cache SparseAttention.compress returns, {{branch: (k_cmp, v_cmp)}} for the "
+            f"compress branches {sorted(strides)}, got {got}"
+        )
+    out = {}
+    for name, stride in strides.items():
+        pair = value[name]
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise ValueError(f"compressed[{name!r}] must be a pair (k_cmp, v_cmp), got {type(pair).__name__}")
+        wanted = (shapes.batch, shapes.seq_len // stride + num_seqs, shapes.heads_kv, shapes.head_dim)
+        arrays = tuple(_array(f"compressed[{name!r}]", x) for x in pair)
+        for part, array in zip(("k_cmp", "v_cmp"), arrays):
+            if array.shape != wanted or array.dtype != jnp.float32:
+                raise ValueError(
+                    f"compressed[{name!r}] {part} must be float32 {wanted} (the cache of keys [batch, seq_len, "
+                    f"num_kv_heads, head_dim] = {[shapes.batch, shapes.seq_len, shapes.heads_kv, shapes.head_dim]}"
+                    f"{', cu_seqlens of ' + str(num_seqs) + ' sequences' if num_seqs > 1 else ''}), "
+                    f"got {array.dtype} {array.shape}"
+                )
+        out[name] = arrays
+    return out
+
+
+def new_rows(value: object, shapes: Shapes) -> tuple[int | jax.Array, int]:
+    """(first, count): key rows [first, first + count) written since a compressed cache was made,
+    first an int or integer scalar (may be traced), count an int >= 1 (a static shape)."""
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise ValueError(f"new_rows must be a pair (first, count) of key rows, got {value!r}")
+    first, count = value
+    if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or not 1 <= count <= shapes.seq_len:
+        raise ValueError(f"new_rows: count must be an int between 1 and seq_len={shapes.seq_len}, got {count!r}")
+    first = _key_row("new_rows: first", first)
+    if isinstance(first, int) and not 0 <= first <= shapes.seq_len - count:
+        raise ValueError(f"new_rows: first must be between 0 and seq_len - count = {shapes.seq_len - count}, got {first}")
+    return first, int(count)
+
+
 def query_offset(value: object, shapes: Shapes, whole_blocks: int | None = None) -> int | jax.Array:
     """The key row of the first query (the queries are rows [offset, offset + query_len) of the
     keys' sequence axis: a shard for context parallelism, new tokens against a key/value cache when
     decoding), an int or an int32 scalar that may be traced. Any rows, unless `whole_blocks` is
     given (a pattern whose top-k scores per block(Q) of queries): then a shard must start and end
     on a multiple of it."""
-    scalar = np.ndim(value) == 0 and jnp.issubdtype(getattr(value, "dtype", type(value)), jnp.integer)
-    if isinstance(value, (bool, np.bool_)) or not scalar:
-        raise ValueError(f"query_offset must be an int or an integer scalar array, got {value!r}")
-    offset = _index_array("query_offset", value) if isinstance(value, jax.Array) else int(value)
-    if _is_concrete(offset):
-        offset = int(offset)
+    offset = _key_row("query_offset", value)
     block = whole_blocks or 1
     if shapes.query_len < shapes.seq_len and shapes.query_len % block:
         raise ValueError(

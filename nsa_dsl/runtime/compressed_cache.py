@@ -1,0 +1,99 @@
+"""Compressed keys kept beside a key/value cache, for decoding.
+
+A compress branch pools every key row of the sequence into its compressed keys, so a decoding
+step that pooled them again would read the whole cache: as many bytes as dense attention.
+Instead the caller keeps them: `pool` computes every batch row's compressed keys once (after a
+prefill) and then, after new key rows were written, recomputes only the few compressed keys
+that pool them (`new_rows`), and calls take them as `compressed=`. A step then reads the
+compressed keys, the selected blocks and the window: what Native Sparse Attention's decoding
+was designed to read.
+
+Layout: {compress branch name: (k_cmp, v_cmp)}, each float32 [B, R, HKV, D] holding its batch
+row's layout.pool_compressed rows (R = T // stride + the number of sequences of the row: 1, or
+N packed ones). Float32, so that calls cast them as they cast the keys they pool
+themselves: a call given the cache computes what it would without it (up to the order XLA
+sums a mean in).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+
+from ..plan import plan as p
+from . import layout, validate
+
+
+def strides(plan: p.Plan) -> dict[str, int]:
+    """{compress branch name: its stride}: what a compressed cache's shapes depend on."""
+    return {b.name: b.stride for b in plan.branches if isinstance(b, p.CompressBranch)}
+
+
+def learned_branches(plan: p.Plan) -> list[str]:
+    """The compress branches that pool with the caller's functions (pool=learned), sorted."""
+    return sorted(b.name for b in plan.branches if isinstance(b, p.CompressBranch) and b.pool == "learned")
+
+
+def _updated_rows(count: int, block: int, stride: int, num_seqs: int, rows: int) -> int:
+    """How many compressed rows, from the first one that pools a new key row, cover every row
+    that pools one of `count` new key rows: in each of the <= min(count, num_seqs) sequences the
+    new rows reach, n of them change at most (n + block - 2) // stride + 1 keys."""
+    pieces = min(count, num_seqs)
+    return min(rows, (count + pieces * (block - 2)) // stride + pieces)
+
+
+def pool(
+    plan: p.Plan,
+    key,
+    value,
+    *,
+    cu_seqlens=None,
+    pool_fns: Mapping[str, Callable] | None = None,
+    cache=None,
+    new_rows=None,
+) -> dict[str, tuple[jax.Array, jax.Array]]:
+    """The compressed cache of `plan` for key/value [B, T, HKV, D] (see the module's docstring).
+
+    With `cache` (an earlier result for keys of the same shapes) and `new_rows` = (first, count),
+    the key rows [first, first + count) of every batch row having been written since (first an
+    int or integer scalar, may be traced; count a static int): `cache` with only the compressed
+    keys that pool those rows recomputed, O(count) work instead of O(T)."""
+    branches = {b.name: b for b in plan.branches if isinstance(b, p.CompressBranch)}
+    if not branches:
+        raise ValueError(f"pattern {plan.name!r} has no compress branch: it has no compressed keys to keep")
+    key, value, shapes = validate.key_value_inputs(key, value)
+    cu = validate.cu_seqlens(cu_seqlens, shapes)
+    offsets = layout.sequence_offsets(cu, 1, shapes.seq_len)  # of one batch row
+    num_seqs = offsets.shape[0] - 1
+    functions = validate.pool_fns(pool_fns, learned_branches(plan), plan.name)
+    if (cache is None) != (new_rows is None):
+        raise ValueError("cache and new_rows go together: pass both to update a compressed cache, neither to build one")
+    if cache is not None:
+        cache = validate.compressed_cache(cache, strides(plan), shapes, num_seqs)
+        first, count = validate.new_rows(new_rows, shapes)
+
+    result = {}
+    for name, branch in branches.items():
+        rows = layout.compressed_rows(shapes.seq_len, num_seqs, branch.stride)
+        window = None
+        if cache is not None:
+            length = _updated_rows(count, branch.block, branch.stride, num_seqs, rows)
+            start = layout.first_compressed_row(offsets, first, branch.block, branch.stride)
+            window = (jnp.clip(start, 0, rows - length), length)  # recomputing a few more rows changes nothing
+
+        def pooled(k, v, branch=branch, window=window):
+            compressed = layout.pool_compressed(
+                k, v, offsets, branch.block, branch.stride, functions.get(branch.name), jnp.float32, window
+            )
+            return compressed.k, compressed.v
+
+        k_cmp, v_cmp = jax.vmap(pooled)(key, value)
+        if cache is not None:
+            k_cmp, v_cmp = (
+                jax.lax.dynamic_update_slice_in_dim(old, new, window[0], axis=1)
+                for old, new in zip(cache[name], (k_cmp, v_cmp))
+            )
+        result[name] = (k_cmp, v_cmp)
+    return result

@@ -1,0 +1,203 @@
+"""Decoding with a compressed cache (SparseAttention.compress, compressed=): a step reads the
+compressed keys the caller keeps instead of pooling the whole key/value cache again.
+
+Decoding loops that write one key row at a time into a cache holding random stale rows, update
+the compressed cache by new_rows, and attend the new query, against the float64 reference of
+the paper's equations on the whole sequence (selections by the reference's scores of the chosen
+blocks, outputs for those selections), on every backend (XLA natively, Triton and Pallas in
+their interpreters); the incrementally kept cache against one built at once;
+gradients through a cache built inside the differentiated function; learned pooling; bad input.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import FORWARD_TOLERANCE, assert_close, gate, qkv
+from nsa_reference import chosen_scores, nsa_gradients, nsa_reference, small_example
+
+import nsa_dsl
+
+NAMES = ("cmp", "slc", "swa")
+
+
+def decode(attention, q, k, v, gates, stale, positions, *, platform, cu_seqlens=None, pool_fns=None):
+    """Write key rows one at a time into the cache (stale rows past the last written one),
+    updating the compressed cache by new_rows=(t, 1), and attend query t at the rows
+    `positions`. Returns the outputs and selections of those rows and the final compressed cache."""
+    options = {"cu_seqlens": cu_seqlens, "platform": platform}
+
+    @jax.jit
+    def write(k_cache, v_cache, cache, t):
+        k_cache, v_cache = (jax.lax.dynamic_update_slice_in_dim(c, jax.lax.dynamic_slice_in_dim(x, t, 1, 1), t, 1)
+                            for c, x in ((k_cache, k), (v_cache, v)))
+        cache = attention.compress(k_cache, v_cache, cu_seqlens=cu_seqlens, pool_fns=pool_fns, cache=cache, new_rows=(t, 1))
+        return k_cache, v_cache, cache
+
+    @jax.jit
+    def step(k_cache, v_cache, cache, t):
+        q_t = jax.lax.dynamic_slice_in_dim(q, t, 1, 1)
+        gates_t = {f"g_{n}": jax.lax.dynamic_slice_in_dim(g, t, 1, 1) for n, g in gates.items()}
+        out = attention(q_t, k_cache, v_cache, query_offset=t, compressed=cache, **options, **gates_t)
+        chosen = attention.selections(q_t, k_cache, v_cache, query_offset=t, compressed=cache, **options)["slc"]
+        return out, chosen
+
+    k_cache, v_cache = jnp.asarray(stale[0]), jnp.asarray(stale[1])
+    cache = attention.compress(k_cache, v_cache, cu_seqlens=cu_seqlens, pool_fns=pool_fns)
+    outputs, chosen = {}, {}
+    for t in range(max(positions) + 1):
+        k_cache, v_cache, cache = write(k_cache, v_cache, cache, jnp.int32(t))
+        if t in positions:
+            out, picked = step(k_cache, v_cache, cache, jnp.int32(t))
+            outputs[t], chosen[t] = np.asarray(out), np.asarray(picked)
+    assert write._cache_size() == 1 and step._cache_size() == 1, "one program for every position"
+    return outputs, chosen, cache
+
+
+def check_decoding(rng, platform, *, batch, seq_len, positions, cu_seqlens=None, heads_q=4, heads_kv=2, head_dim=16):
+    source, spec = small_example("nsa")
+    attention = nsa_dsl.compile(source)
+    q, k, v = qkv(rng, batch, seq_len, heads_q, heads_kv, head_dim)
+    gates = {name: gate(rng, batch, seq_len, heads_q) for name in NAMES}
+    stale = tuple(np.asarray(rng.standard_normal(k.shape), k.dtype) for _ in range(2))
+    outputs, chosen, cache = decode(attention, q, k, v, gates, stale, positions, platform=platform, cu_seqlens=cu_seqlens)
+
+    # The cache kept one row at a time is the cache of the whole sequence (up to the rounding of
+    # the float32 means, which XLA may sum in another order inside another program).
+    whole = attention.compress(k, v, cu_seqlens=cu_seqlens)
+    for name, (k_cmp, v_cmp) in whole.items():
+        np.testing.assert_allclose(np.asarray(cache[name][0]), np.asarray(k_cmp), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(cache[name][1]), np.asarray(v_cmp), rtol=1e-6, atol=1e-6)
+
+    _, _, ref_chosen, scores = nsa_reference(q, k, v, spec, gates=gates, cu_seqlens=cu_seqlens)
+    selected = ref_chosen.copy()
+    for t in positions:
+        got, want = chosen_scores(scores[:, t : t + 1], chosen[t]), chosen_scores(scores[:, t : t + 1], ref_chosen[:, t : t + 1])
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6, err_msg=f"selection of row {t}")
+        selected[:, t : t + 1] = chosen[t]
+    expected, _, _, _ = nsa_reference(q, k, v, spec, gates=gates, cu_seqlens=cu_seqlens, selected=selected)
+    assert np.abs(expected[:, list(positions)]).max() > 0
+    for t in positions:
+        assert_close(outputs[t], expected[:, t : t + 1], FORWARD_TOLERANCE, f"{platform}, row {t}")
+
+
+@pytest.mark.parametrize("platform", ["xla", "triton", "pallas"])
+def test_decoding_with_a_compressed_cache_against_the_paper_reference(rng, platform):
+    """Two batch rows of 75 tokens (not a whole number of blocks); rows before the first
+    compressed key is complete (3), on block edges (15, 16), the last (74)."""
+    check_decoding(rng, platform, batch=2, seq_len=75, positions=(3, 15, 16, 40, 74))
+
+
+def test_decoding_packed_sequences_with_a_compressed_cache(rng):
+    """Three sequences packed in one row of 90: a sequence's first rows see no compressed key
+    of the previous sequence; the cache has a row per sequence more."""
+    check_decoding(rng, "xla", batch=1, seq_len=90, positions=(20, 21, 29, 60, 89), cu_seqlens=np.array([0, 21, 50, 90], np.int32))
+
+
+def test_updating_a_compressed_cache_by_chunks_equals_building_it(rng):
+    """new_rows of a prefill chunk (count > 1) across a sequence's end, and of chunks that
+    reach the last row: the rows they change, and no others, are recomputed."""
+    source, _ = small_example("nsa")
+    attention = nsa_dsl.compile(source)
+    _, k, v = qkv(rng, 1, 100, 2, 2, 8)
+    cu = np.array([0, 33, 40, 100], np.int32)
+    stale = tuple(jnp.asarray(rng.standard_normal(k.shape), jnp.float32) for _ in range(2))
+    update = jax.jit(lambda kc, vc, cache, first, count: attention.compress(
+        kc, vc, cu_seqlens=cu, cache=cache, new_rows=(first, count)), static_argnums=4)
+    k_cache, v_cache = stale
+    cache = attention.compress(k_cache, v_cache, cu_seqlens=cu)
+    build = jax.jit(lambda kc, vc: attention.compress(kc, vc, cu_seqlens=cu))
+    for first, count in ((0, 30), (30, 17), (47, 1), (48, 40), (88, 12)):
+        rows = slice(first, first + count)
+        k_cache, v_cache = k_cache.at[:, rows].set(k[:, rows]), v_cache.at[:, rows].set(v[:, rows])
+        cache = update(k_cache, v_cache, cache, jnp.int32(first), count)
+        written = build(k_cache, v_cache)
+        for name in written:
+            for kept, built in zip(cache[name], written[name]):
+                np.testing.assert_allclose(np.asarray(kept), np.asarray(built), rtol=1e-6, atol=1e-6,
+                                           err_msg=f"after rows {rows}")
+
+
+def test_gradients_through_a_compressed_cache_equal_those_of_pooling(rng):
+    """A call given the cache computes what it computes without: built inside the differentiated
+    function, the cache passes the compress branch's gradients on to k and v (float64 reference)."""
+    source, spec = small_example("nsa")
+    attention = nsa_dsl.compile(source)
+    q, k, v = qkv(rng, 1, 48, 4, 2, 16)
+    gates = {name: gate(rng, 1, 48, 4) for name in NAMES}
+    chosen = np.asarray(attention.selections(q, k, v, platform="xla")["slc"])
+
+    def loss(q, k, v, d_out):
+        out = attention(q, k, v, platform="xla", compressed=attention.compress(k, v),
+                        **{f"g_{n}": g for n, g in gates.items()})
+        return jnp.sum(out * d_out)
+
+    d_out = rng.standard_normal(q.shape).astype(np.float32)
+    dq, dk, dv = jax.grad(loss, argnums=(0, 1, 2))(q, k, v, d_out)
+    wanted = nsa_gradients(q, k, v, spec, gates, chosen, d_out)
+    for name, actual in (("q", dq), ("k", dk), ("v", dv)):
+        assert_close(actual, wanted[name], 1e-4, f"d{name}")
+
+
+def test_learned_pooling_is_kept_in_the_cache(rng):
+    """With pool=learned the functions are compress's; calls given the cache need none."""
+    source = small_example("nsa")[0].replace("compress(block=8, stride=4)", "compress(block=8, stride=4, pool=learned)")
+    attention = nsa_dsl.compile(source)
+    q, k, v = qkv(rng, 1, 64, 4, 2, 16)
+    weights = jnp.asarray(rng.uniform(0.5, 1.5, 8) / 8, jnp.float32)
+    pool_fns = {"cmp": lambda kb, vb: (jnp.einsum("cjhd,j->chd", kb, weights), jnp.einsum("cjhd,j->chd", vb, weights))}
+    gates = {f"g_{n}": gate(rng, 1, 64, 4) for n in NAMES}
+    cache = attention.compress(k, v, pool_fns=pool_fns)
+    pooling = attention(q[:, 50:51], k, v, query_offset=50, pool_fns=pool_fns, platform="xla",
+                        **{n: g[:, 50:51] for n, g in gates.items()})
+    cached = attention(q[:, 50:51], k, v, query_offset=50, compressed=cache, platform="xla",
+                       **{n: g[:, 50:51] for n, g in gates.items()})
+    np.testing.assert_allclose(np.asarray(cached), np.asarray(pooling), rtol=1e-5, atol=1e-6)
+    mean_cache = nsa_dsl.compile(small_example("nsa")[0]).compress(k, v)
+    assert not np.allclose(np.asarray(cache["cmp"][0]), np.asarray(mean_cache["cmp"][0])), "the learned pooling ran"
+    with pytest.raises(ValueError, match=r"pool_fns: pattern 'nsa' pools with learned functions in branches \['cmp'\]"):
+        attention.compress(k, v)
+
+
+def test_bad_compressed_caches_are_refused(rng):
+    source, _ = small_example("nsa")
+    attention = nsa_dsl.compile(source)
+    q, k, v = qkv(rng, 2, 40, 4, 2, 16)
+    cache = attention.compress(k, v)
+    k_cmp, v_cmp = cache["cmp"]
+    assert k_cmp.shape == (2, 40 // 4 + 1, 2, 16) and k_cmp.dtype == jnp.float32
+
+    def call(compressed):
+        return attention(q[:, 39:], k, v, query_offset=39, compressed=compressed, platform="xla")
+
+    for compressed, message in (
+        ({}, r"compressed must be the cache SparseAttention.compress returns, \{branch: \(k_cmp, v_cmp\)\} for the "
+             r"compress branches \['cmp'\], got \[\]"),
+        ({"cmp": k_cmp}, r"compressed\['cmp'\] must be a pair \(k_cmp, v_cmp\)"),
+        ({"cmp": (k_cmp[:, :-1], v_cmp)}, r"compressed\['cmp'\] k_cmp must be float32 \(2, 11, 2, 16\) \(the cache of "
+                                          r"keys \[batch, seq_len, num_kv_heads, head_dim\] = \[2, 40, 2, 16\]\), got "
+                                          r"float32 \(2, 10, 2, 16\)"),
+        ({"cmp": (k_cmp, v_cmp.astype(jnp.bfloat16))}, r"v_cmp must be float32 .* got bfloat16"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            call(compressed)
+    with pytest.raises(ValueError, match=r"cu_seqlens of 2 sequences\), got float32 \(1, 11, 2, 16\)"):
+        attention(q[:1], k[:1], v[:1], cu_seqlens=np.array([0, 20, 40]), compressed=attention.compress(k[:1], v[:1]))
+    for options, message in (
+        ({"new_rows": (3, 1)}, "cache and new_rows go together"),
+        ({"cache": cache}, "cache and new_rows go together"),
+        ({"cache": cache, "new_rows": 3}, r"new_rows must be a pair \(first, count\) of key rows, got 3"),
+        ({"cache": cache, "new_rows": (3, jnp.int32(1))}, "new_rows: count must be an int between 1 and seq_len=40"),
+        ({"cache": cache, "new_rows": (38, 3)}, "new_rows: first must be between 0 and seq_len - count = 37, got 38"),
+        ({"cache": cache, "new_rows": (1.5, 1)}, "new_rows: first must be an int or an integer scalar array, got 1.5"),
+        ({"cache": {"cmp": cache["cmp"][0]}, "new_rows": (0, 1)}, r"compressed\['cmp'\] must be a pair"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            attention.compress(k, v, **options)
+    with pytest.raises(ValueError, match="value must have key's shape"):
+        attention.compress(k, v[:, :-1])
+    window = nsa_dsl.compile("pattern w\nblock 16\ncausal\nbranch swa = window(24)\n")
+    with pytest.raises(ValueError, match="pattern 'w' has no compress branch"):
+        window.compress(k, v)
