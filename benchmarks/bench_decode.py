@@ -1,0 +1,150 @@
+"""One decoding step of a compiled pattern against a key/value cache, side by side with dense
+attention, on one GPU.
+
+    PYTHONPATH=. python benchmarks/bench_decode.py [--pattern examples/nsa.nsa] [--lengths 8192,32768,65536,131072]
+        [--batches 1,8] [--impls ours-triton,ours-triton-pooling,ours-pallas,ours-xla,cudnn,xla-dense] [--out DIR]
+    python benchmarks/bench_decode.py --dry-run     # CPU, tiny shapes: proves the harness
+
+A step is what a serving loop runs for each new token once its key and value rows are in the cache
+(B sequences, each at its last row T - 1, T rows of cache): for nsa_dsl, the compressed cache's
+update for that row (SparseAttention.compress(..., cache=, new_rows=(T - 1, 1))) and the attention
+of the new query (query_offset=T - 1, compressed=cache), jitted together; `ours-triton-pooling` is
+the same call without the compressed cache, pooling all T keys every step. Dense attention, the
+baseline: the new query against all T rows (jax.nn.dot_product_attention, cuDNN and XLA), with the
+pattern's gates off (only the attention itself). Every step reads the whole selection a real model
+makes: random inputs, the pattern's own top-k.
+
+Prints a table (median ms per step, timing.py's method; ratio dense cuDNN / row: above 1, faster
+than dense), the K/V bytes a step must read at least, and the largest difference of each nsa_dsl
+row's output from the XLA backend's; writes DIR/bench_decode.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+from timing import error_text, measure  # noqa: E402
+
+IMPLS = ("ours-triton", "ours-triton-pooling", "ours-pallas", "ours-xla", "cudnn", "xla-dense")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pattern", default=os.path.join(os.path.dirname(HERE), "examples", "nsa.nsa"))
+    parser.add_argument("--lengths", default="8192,32768,65536,131072")
+    parser.add_argument("--batches", default="1,8", help="sequences decoded together")
+    parser.add_argument("--impls", default=",".join(IMPLS))
+    parser.add_argument("--heads-q", type=int, default=64)
+    parser.add_argument("--heads-kv", type=int, default=4)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--out", default=os.environ.get("OUT") or ".")
+    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, ours-xla and xla-dense")
+    args = parser.parse_args()
+
+    import jax
+    import jax.numpy as jnp
+
+    import nsa_dsl
+
+    if args.dry_run:
+        args.lengths, args.batches, args.impls, args.dtype = "300", "1,2", "ours-xla,xla-dense", "float32"
+        args.heads_q, args.heads_kv, args.head_dim = 4, 2, 16
+    lengths = [int(x) for x in args.lengths.split(",")]
+    batches = [int(x) for x in args.batches.split(",")]
+    impls = [x for x in args.impls.split(",") if x]
+    unknown = sorted(set(impls) - set(IMPLS))
+    if unknown:
+        parser.error(f"unknown --impls {unknown}; choose from {IMPLS}")
+    dtype = jnp.dtype(args.dtype)
+    attention = nsa_dsl.compile(args.pattern)
+    gate_names = sorted({g.name for g in attention.plan.gates})
+    hq, hkv, d = args.heads_q, args.heads_kv, args.head_dim
+    settings = (f"pattern {attention.plan.name} ({args.pattern}), HQ={hq} HKV={hkv} D={d} {dtype.name}, one new query "
+                f"per sequence at row T - 1 of a T-row cache, gates {gate_names} random; device {jax.devices()[0].device_kind}, "
+                f"jax {jax.__version__}")
+    print(f"bench_decode: {settings}", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    results = {"settings": settings, "date": datetime.datetime.now().isoformat(timespec="seconds"), "rows": []}
+
+    def sync(x):
+        jax.block_until_ready(x)
+
+    for seq_len in lengths:
+        for batch in batches:
+            rng = np.random.default_rng(seq_len + batch)
+            keys = jax.random.split(jax.random.key(seq_len * 31 + batch), 3)
+            q = jax.random.normal(keys[0], (batch, 1, hq, d), dtype)
+            k_cache = jax.random.normal(keys[1], (batch, seq_len, hkv, d), dtype)
+            v_cache = jax.random.normal(keys[2], (batch, seq_len, hkv, d), dtype)
+            gates = {n: jnp.asarray(rng.uniform(size=(batch, 1, hq)), dtype) for n in gate_names}
+            position = jnp.int32(seq_len - 1)
+            cache = attention.compress(k_cache, v_cache)
+            kv_bytes = 2 * batch * seq_len * hkv * d * dtype.itemsize
+            print(f"\n== T={seq_len} B={batch}: dense attention reads {kv_bytes / 1e6:.0f} MB of K/V a step ==", flush=True)
+            print(f"{'implementation':28s} {'ms/step':>9s} {'x dense':>8s} {'first s':>8s} {'max|d| vs xla':>14s}")
+
+            def nsa_step(platform, compressed):
+                if not compressed:
+                    return jax.jit(lambda q, kc, vc, c, t: attention(
+                        q, kc, vc, query_offset=t, platform=platform, **gates))
+                def step(q, kc, vc, c, t):
+                    c = attention.compress(kc, vc, cache=c, new_rows=(t, 1))
+                    return attention(q, kc, vc, query_offset=t, compressed=c, platform=platform, **gates), c
+                return jax.jit(step)
+
+            calls = {
+                "ours-triton": lambda: nsa_step("triton", True),
+                "ours-triton-pooling": lambda: nsa_step("triton", False),
+                "ours-pallas": lambda: nsa_step("pallas", True),
+                "ours-xla": lambda: nsa_step("xla", True),
+                "cudnn": lambda: jax.jit(lambda q, kc, vc, c, t: jax.nn.dot_product_attention(
+                    q, kc, vc, implementation="cudnn")),
+                "xla-dense": lambda: jax.jit(lambda q, kc, vc, c, t: jax.nn.dot_product_attention(
+                    q, kc, vc, implementation="xla")),
+            }
+            outputs, dense_ms = {}, None
+            for impl in (["ours-xla"] if "ours-xla" in impls else []) + [i for i in impls if i != "ours-xla"]:
+                row = {"impl": impl, "seq_len": seq_len, "batch": batch, "kv_bytes": kv_bytes}
+                try:
+                    fn = calls[impl]()
+                    timing = measure(lambda: fn(q, k_cache, v_cache, cache, position), sync, time_cap_s=0.75)
+                    out = fn(q, k_cache, v_cache, cache, position)
+                    out = out[0] if isinstance(out, tuple) else out
+                    row.update(ms=timing["ms"], first_call_s=timing["first_call_s"])
+                    if impl.startswith("ours"):
+                        outputs[impl] = np.asarray(out.astype(jnp.float32))
+                        if impl != "ours-xla" and "ours-xla" in outputs:
+                            row["max_diff_vs_xla"] = float(np.abs(outputs[impl] - outputs["ours-xla"]).max())
+                    if impl == "cudnn" or (impl == "xla-dense" and dense_ms is None):
+                        dense_ms = timing["ms"]
+                except Exception as err:  # one failing row must not lose the others
+                    row["error"] = error_text(err)
+                results["rows"].append(row)
+            for row in [r for r in results["rows"] if r["seq_len"] == seq_len and r["batch"] == batch]:
+                if "error" in row:
+                    print(f"{row['impl']:28s} error: {row['error']}", flush=True)
+                    continue
+                row["x_dense"] = dense_ms / row["ms"] if dense_ms else None
+                ratio = f"{row['x_dense']:8.2f}" if dense_ms else f"{'-':>8s}"
+                diff = f"{row['max_diff_vs_xla']:14.2e}" if "max_diff_vs_xla" in row else f"{'-':>14s}"
+                print(f"{row['impl']:28s} {row['ms']:9.4f} {ratio} {row['first_call_s']:8.1f} {diff}", flush=True)
+            with open(os.path.join(args.out, "bench_decode.json"), "w") as f:
+                json.dump(results, f, indent=1)
+    print(f"\nwritten {os.path.join(args.out, 'bench_decode.json')} ({time.strftime('%H:%M:%S')})")
+
+
+if __name__ == "__main__":
+    main()
