@@ -2,7 +2,8 @@
 attention, on one GPU.
 
     PYTHONPATH=. python benchmarks/bench_decode.py [--pattern examples/nsa.nsa] [--lengths 8192,32768,65536,131072]
-        [--batches 1,8] [--impls ours-triton,ours-triton-pooling,ours-pallas,ours-xla,cudnn,xla-dense] [--out DIR]
+        [--batches 1,8] [--impls ours-triton,ours-triton-pooling,ours-pallas,ours-xla,cudnn,xla-dense] [--breakdown]
+        [--out DIR]
     python benchmarks/bench_decode.py --dry-run     # CPU, tiny shapes: proves the harness
 
 A step is what a serving loop runs for each new token once its key and value rows are in the cache
@@ -38,6 +39,9 @@ sys.path.insert(0, HERE)
 from timing import error_text, measure  # noqa: E402
 
 IMPLS = ("ours-triton", "ours-triton-pooling", "ours-pallas", "ours-xla", "cudnn", "xla-dense")
+# --breakdown: parts of ours-triton's step timed alone (the cache's update; the compression
+# attention and top-k that choose the blocks; each branch with only its gate passed).
+PARTS = ("update", "selections", "branch cmp", "branch slc", "branch swa")
 
 
 def main() -> None:
@@ -51,6 +55,7 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--out", default=os.environ.get("OUT") or ".")
+    parser.add_argument("--breakdown", action="store_true", help="also time the parts of ours-triton's step")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, ours-xla and xla-dense")
     args = parser.parse_args()
 
@@ -115,14 +120,28 @@ def main() -> None:
                 "xla-dense": lambda: jax.jit(lambda q, kc, vc, c, t: jax.nn.dot_product_attention(
                     q, kc, vc, implementation="xla")),
             }
+            def part(name):
+                platform = "xla" if args.dry_run else "triton"
+                if name == "update":
+                    return jax.jit(lambda q, kc, vc, c, t: attention.compress(kc, vc, cache=c, new_rows=(t, 1)))
+                if name == "selections":
+                    return jax.jit(lambda q, kc, vc, c, t: attention.selections(
+                        q, kc, vc, query_offset=t, compressed=c, platform=platform))
+                gate_name = {b.name: b.gate.name for b in attention.plan.branches}[name.split()[1]]
+                return jax.jit(lambda q, kc, vc, c, t: attention(
+                    q, kc, vc, query_offset=t, compressed=c, platform=platform, **{gate_name: gates[gate_name]}))
+
+            for name in PARTS if args.breakdown else ():
+                calls[f"part: {name}"] = lambda name=name: part(name)
             outputs, dense_ms = {}, None
-            for impl in (["ours-xla"] if "ours-xla" in impls else []) + [i for i in impls if i != "ours-xla"]:
+            order = (["ours-xla"] if "ours-xla" in impls else []) + [i for i in impls if i != "ours-xla"]
+            for impl in order + [f"part: {name}" for name in PARTS if args.breakdown]:
                 row = {"impl": impl, "seq_len": seq_len, "batch": batch, "kv_bytes": kv_bytes}
                 try:
                     fn = calls[impl]()
                     timing = measure(lambda: fn(q, k_cache, v_cache, cache, position), sync, time_cap_s=0.75)
                     out = fn(q, k_cache, v_cache, cache, position)
-                    out = out[0] if isinstance(out, tuple) else out
+                    out = out[0] if isinstance(out, (tuple, dict)) and not impl.startswith("part") else out
                     row.update(ms=timing["ms"], first_call_s=timing["first_call_s"])
                     if impl.startswith("ours"):
                         outputs[impl] = np.asarray(out.astype(jnp.float32))

@@ -23,6 +23,13 @@ import nsa_dsl
 NAMES = ("cmp", "slc", "swa")
 
 
+@pytest.fixture(autouse=True)
+def _float32_products():
+    """XLA on a GPU multiplies float32 as TF32 by default: the float64 comparisons need float32."""
+    with jax.default_matmul_precision("float32"):
+        yield
+
+
 def decode(attention, q, k, v, gates, stale, positions, *, platform, cu_seqlens=None, pool_fns=None):
     """Write key rows one at a time into the cache (stale rows past the last written one),
     updating the compressed cache by new_rows=(t, 1), and attend query t at the rows
