@@ -63,9 +63,10 @@ def decode(attention, q, k, v, gates, stale, positions, *, platform, cu_seqlens=
     return outputs, chosen, cache
 
 
-def check_decoding(rng, platform, *, batch, seq_len, positions, cu_seqlens=None, heads_q=4, heads_kv=2, head_dim=16):
+def check_decoding(rng, platform, *, batch, seq_len, positions, cu_seqlens=None, heads_q=4, heads_kv=2, head_dim=16,
+                   config=None):
     source, spec = small_example("nsa")
-    attention = nsa_dsl.compile(source)
+    attention = nsa_dsl.compile(source, config=config)
     q, k, v = qkv(rng, batch, seq_len, heads_q, heads_kv, head_dim)
     gates = {name: gate(rng, batch, seq_len, heads_q) for name in NAMES}
     stale = tuple(np.asarray(rng.standard_normal(k.shape), k.dtype) for _ in range(2))
@@ -95,6 +96,14 @@ def test_decoding_with_a_compressed_cache_against_the_paper_reference(rng, platf
     """Two batch rows of 75 tokens (not a whole number of blocks); rows before the first
     compressed key is complete (3), on block edges (15, 16), the last (74)."""
     check_decoding(rng, platform, batch=2, seq_len=75, positions=(3, 15, 16, 40, 74))
+
+
+def test_triton_decoding_splits_the_walks_over_keys(rng):
+    """A decoding step's few programs split the compression's and the top-k's walks over a long
+    sequence's keys into shares (600 tokens, 16 keys a step: 2 shares of the compression's 151
+    keys, 3 of the top-k's 38 blocks), combined as one walk would have: the reference's output."""
+    config = nsa_dsl.NativeSparseAttentionConfig(block_k=16)
+    check_decoding(rng, "triton", batch=1, seq_len=600, positions=(120, 377, 599), heads_kv=1, config=config)
 
 
 def test_decoding_packed_sequences_with_a_compressed_cache(rng):
