@@ -9,7 +9,8 @@ attention, on one GPU.
 A step is what a serving loop runs for each new token once its key and value rows are in the cache
 (B sequences, each at its last row T - 1, T rows of cache): for nsa_dsl, the compressed cache's
 update for that row (SparseAttention.compress(..., cache=, new_rows=(T - 1, 1))) and the attention
-of the new query (query_offset=T - 1, compressed=cache), jitted together; `ours-triton-pooling` is
+of the new query (query_offset=T - 1, compressed=cache), jitted together, the cache donated and
+threaded from step to step as a serving loop would; `ours-triton-pooling` is
 the same call without the compressed cache, pooling all T keys every step. Dense attention, the
 baseline: the new query against all T rows (jax.nn.dot_product_attention, cuDNN and XLA), with the
 pattern's gates off (only the attention itself). Every step reads the whole selection a real model
@@ -101,47 +102,63 @@ def main() -> None:
             print(f"\n== T={seq_len} B={batch}: dense attention reads {kv_bytes / 1e6:.0f} MB of K/V a step ==", flush=True)
             print(f"{'implementation':28s} {'ms/step':>9s} {'x dense':>8s} {'first s':>8s} {'max|d| vs xla':>14s}")
 
+            # Every call is (q, k_cache, v_cache, compressed cache, position) -> (output, cache). Those
+            # that update the cache get it donated and hand the new one to the next call, as a serving
+            # loop does (without donation each step would copy the whole compressed cache).
+            def updating(step):
+                return jax.jit(step, donate_argnums=(3,)), True
+
+            def reading(step):
+                return jax.jit(lambda q, kc, vc, c, t: (step(q, kc, vc, c, t), c)), False
+
             def nsa_step(platform, compressed):
                 if not compressed:
-                    return jax.jit(lambda q, kc, vc, c, t: attention(
-                        q, kc, vc, query_offset=t, platform=platform, **gates))
+                    return reading(lambda q, kc, vc, c, t: attention(q, kc, vc, query_offset=t, platform=platform, **gates))
+
                 def step(q, kc, vc, c, t):
                     c = attention.compress(kc, vc, cache=c, new_rows=(t, 1))
                     return attention(q, kc, vc, query_offset=t, compressed=c, platform=platform, **gates), c
-                return jax.jit(step)
+
+                return updating(step)
+
+            def part(name):
+                platform = "xla" if args.dry_run else "triton"
+                if name == "update":
+                    return updating(lambda q, kc, vc, c, t: (None, attention.compress(kc, vc, cache=c, new_rows=(t, 1))))
+                if name == "selections":
+                    return reading(lambda q, kc, vc, c, t: attention.selections(
+                        q, kc, vc, query_offset=t, compressed=c, platform=platform))
+                gate_name = {b.name: b.gate.name for b in attention.plan.branches}[name.split()[1]]
+                return reading(lambda q, kc, vc, c, t: attention(
+                    q, kc, vc, query_offset=t, compressed=c, platform=platform, **{gate_name: gates[gate_name]}))
 
             calls = {
                 "ours-triton": lambda: nsa_step("triton", True),
                 "ours-triton-pooling": lambda: nsa_step("triton", False),
                 "ours-pallas": lambda: nsa_step("pallas", True),
                 "ours-xla": lambda: nsa_step("xla", True),
-                "cudnn": lambda: jax.jit(lambda q, kc, vc, c, t: jax.nn.dot_product_attention(
+                "cudnn": lambda: reading(lambda q, kc, vc, c, t: jax.nn.dot_product_attention(
                     q, kc, vc, implementation="cudnn")),
-                "xla-dense": lambda: jax.jit(lambda q, kc, vc, c, t: jax.nn.dot_product_attention(
+                "xla-dense": lambda: reading(lambda q, kc, vc, c, t: jax.nn.dot_product_attention(
                     q, kc, vc, implementation="xla")),
+                **{f"part: {name}": (lambda name=name: part(name)) for name in PARTS},
             }
-            def part(name):
-                platform = "xla" if args.dry_run else "triton"
-                if name == "update":
-                    return jax.jit(lambda q, kc, vc, c, t: attention.compress(kc, vc, cache=c, new_rows=(t, 1)))
-                if name == "selections":
-                    return jax.jit(lambda q, kc, vc, c, t: attention.selections(
-                        q, kc, vc, query_offset=t, compressed=c, platform=platform))
-                gate_name = {b.name: b.gate.name for b in attention.plan.branches}[name.split()[1]]
-                return jax.jit(lambda q, kc, vc, c, t: attention(
-                    q, kc, vc, query_offset=t, compressed=c, platform=platform, **{gate_name: gates[gate_name]}))
-
-            for name in PARTS if args.breakdown else ():
-                calls[f"part: {name}"] = lambda name=name: part(name)
             outputs, dense_ms = {}, None
             order = (["ours-xla"] if "ours-xla" in impls else []) + [i for i in impls if i != "ours-xla"]
             for impl in order + [f"part: {name}" for name in PARTS if args.breakdown]:
                 row = {"impl": impl, "seq_len": seq_len, "batch": batch, "kv_bytes": kv_bytes}
                 try:
-                    fn = calls[impl]()
-                    timing = measure(lambda: fn(q, k_cache, v_cache, cache, position), sync, time_cap_s=0.75)
-                    out = fn(q, k_cache, v_cache, cache, position)
-                    out = out[0] if isinstance(out, (tuple, dict)) and not impl.startswith("part") else out
+                    fn, updates = calls[impl]()
+                    state = {"cache": jax.tree.map(jnp.copy, cache)}
+
+                    def call(fn=fn, updates=updates, state=state):
+                        out, new_cache = fn(q, k_cache, v_cache, state["cache"], position)
+                        if updates:
+                            state["cache"] = new_cache
+                        return out, new_cache
+
+                    timing = measure(call, sync, time_cap_s=0.75)
+                    out = call()[0]
                     row.update(ms=timing["ms"], first_call_s=timing["first_call_s"])
                     if impl.startswith("ours"):
                         outputs[impl] = np.asarray(out.astype(jnp.float32))

@@ -19,6 +19,7 @@ from conftest import FORWARD_TOLERANCE, assert_close, gate, qkv
 from nsa_reference import chosen_scores, nsa_gradients, nsa_reference, small_example
 
 import nsa_dsl
+from nsa_dsl.runtime import compressed_cache
 
 NAMES = ("cmp", "slc", "swa")
 
@@ -134,6 +135,19 @@ def test_updating_a_compressed_cache_by_chunks_equals_building_it(rng):
             for kept, built in zip(cache[name], written[name]):
                 np.testing.assert_allclose(np.asarray(kept), np.asarray(built), rtol=1e-6, atol=1e-6,
                                            err_msg=f"after rows {rows}")
+
+
+def test_building_a_cache_window_by_window_equals_building_it_at_once(rng, monkeypatch):
+    """A long cache is pooled a bounded window of rows at a time (POOL_BYTES): windows of 4 rows,
+    the last one overlapping its predecessor, give the rows one window gives."""
+    attention = nsa_dsl.compile(small_example("nsa")[0])
+    _, k, v = qkv(rng, 2, 70, 2, 2, 8)
+    whole = attention.compress(k, v)
+    monkeypatch.setattr(compressed_cache, "POOL_BYTES", 4 * 2 * 2 * 8 * 2 * 8 * 4)  # 4 rows of blocks of 8
+    windows = attention.compress(k, v)
+    assert whole["cmp"][0].shape[1] % 4, "a last window that overlaps"
+    for built, at_once in zip(windows["cmp"], whole["cmp"]):
+        np.testing.assert_allclose(np.asarray(built), np.asarray(at_once), rtol=1e-6, atol=1e-6)
 
 
 def test_gradients_through_a_compressed_cache_equal_those_of_pooling(rng):

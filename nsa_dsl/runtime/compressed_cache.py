@@ -26,6 +26,11 @@ from ..plan import plan as p
 from . import layout, validate
 
 
+# Building a cache pools its rows in windows whose gathered key and value blocks (float32) take at most
+# this many bytes: all at once, a million tokens of 8 sequences would gather 32 GiB.
+POOL_BYTES = 256 * 2**20
+
+
 def strides(plan: p.Plan) -> dict[str, int]:
     """{compress branch name: its stride}: what a compressed cache's shapes depend on."""
     return {b.name: b.stride for b in plan.branches if isinstance(b, p.CompressBranch)}
@@ -77,23 +82,27 @@ def pool(
     result = {}
     for name, branch in branches.items():
         rows = layout.compressed_rows(shapes.seq_len, num_seqs, branch.stride)
-        window = None
-        if cache is not None:
+
+        def pooled_into(arrays, start, length, branch=branch, pool_fn=functions.get(branch.name)):
+            """`arrays` with rows [start, start + length) of every batch row's compressed keys pooled anew."""
+            def pooled(k, v):
+                window = layout.pool_compressed(k, v, offsets, branch.block, branch.stride, pool_fn, jnp.float32,
+                                                (start, length))
+                return window.k, window.v
+
+            return tuple(jax.lax.dynamic_update_slice_in_dim(old, new, start, axis=1)
+                         for old, new in zip(arrays, jax.vmap(pooled)(key, value)))
+
+        if cache is None:  # every row, a window of at most POOL_BYTES of gathered blocks at a time
+            block_bytes = 2 * shapes.batch * branch.block * shapes.heads_kv * shapes.head_dim * 4
+            length = min(rows, max(POOL_BYTES // block_bytes, 1))
+            empty = tuple(jnp.zeros((shapes.batch, rows, shapes.heads_kv, shapes.head_dim), jnp.float32) for _ in "kv")
+            result[name] = jax.lax.fori_loop(
+                0, -(-rows // length), lambda i, arrays: pooled_into(arrays, jnp.minimum(i * length, rows - length), length),
+                empty,
+            )
+        else:  # recomputing a few more rows than changed changes nothing
             length = _updated_rows(count, branch.block, branch.stride, num_seqs, rows)
             start = layout.first_compressed_row(offsets, first, branch.block, branch.stride)
-            window = (jnp.clip(start, 0, rows - length), length)  # recomputing a few more rows changes nothing
-
-        def pooled(k, v, branch=branch, window=window):
-            compressed = layout.pool_compressed(
-                k, v, offsets, branch.block, branch.stride, functions.get(branch.name), jnp.float32, window
-            )
-            return compressed.k, compressed.v
-
-        k_cmp, v_cmp = jax.vmap(pooled)(key, value)
-        if cache is not None:
-            k_cmp, v_cmp = (
-                jax.lax.dynamic_update_slice_in_dim(old, new, window[0], axis=1)
-                for old, new in zip(cache[name], (k_cmp, v_cmp))
-            )
-        result[name] = (k_cmp, v_cmp)
+            result[name] = pooled_into(cache[name], jnp.clip(start, 0, rows - length), length)
     return result
