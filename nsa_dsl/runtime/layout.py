@@ -109,33 +109,19 @@ class QueryRows(NamedTuple):
         return jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, first, self.count), x)
 
 
-def per_batch_row(entry, query, key, value, query_offset, scoring_query=None, compressed=None, compression=None,
-                  **arrays):
-    """`entry` (a generated module's attention or selections) called for a shard of the queries
-    of several batch rows, one batch row at a time: the kernels map query rows to key rows by one
-    shift, and each batch row needs its own. The keys of all batch rows go to every call as one
-    row of packed sequences (cu_seqlens b * T; a reshape, where slicing them per row would copy
-    them all), batch row b's queries at key row b * T + query_offset; the arrays in `arrays`
-    (pytrees of per-query arrays, or None) are sliced per row, a compressed cache is laid out
-    for the packed row once (`compression`: {compress branch: (block, stride)}). Returns the
-    calls' results concatenated along the batch."""
-    batch, seq_len = key.shape[:2]
-    cu_seqlens = jnp.arange(batch + 1, dtype=jnp.int32) * seq_len
+def per_batch_row(entry, query, key, value, scoring_query, **arrays):
+    """`entry` (a generated module's attention or selections) called for each batch row of the
+    query, key, value, scoring_query and every array in `arrays` (pytrees of them, or None), its
+    results concatenated along the batch: a shard of the queries of several batch rows is one
+    shift of the key rows per batch row, and the kernels take one shift."""
 
-    def packed(x):
-        return None if x is None else x.reshape(1, batch * seq_len, *x.shape[2:])
+    def row(x, b):
+        return jax.tree.map(lambda array: array[b : b + 1], x)
 
-    if compressed is not None:
-        compressed = {
-            name: tuple(x[None] for x in cached_compressed(compressed[name], batch * seq_len, cu_seqlens, block, stride,
-                                                           jnp.float32)[:2])
-            for name, (block, stride) in compression.items()
-        }
     results = [
-        entry(query[b : b + 1], packed(key), packed(value), cu_seqlens=cu_seqlens, query_offset=b * seq_len + query_offset,
-              scoring_query=packed(scoring_query), compressed=compressed,
-              **{name: jax.tree.map(lambda array: array[b : b + 1], x) for name, x in arrays.items()})
-        for b in range(batch)
+        entry(query[b : b + 1], key[b : b + 1], value[b : b + 1], scoring_query=row(scoring_query, b),
+              **{name: row(x, b) for name, x in arrays.items()})
+        for b in range(query.shape[0])
     ]
     return jax.tree.map(lambda *parts: jnp.concatenate(parts), *results)
 
