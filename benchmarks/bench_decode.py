@@ -79,7 +79,8 @@ def main() -> None:
     gate_names = sorted({g.name for g in attention.plan.gates})
     hq, hkv, d = args.heads_q, args.heads_kv, args.head_dim
     settings = (f"pattern {attention.plan.name} ({args.pattern}), HQ={hq} HKV={hkv} D={d} {dtype.name}, one new query "
-                f"per sequence at row T - 1 of a T-row cache, gates {gate_names} random; device {jax.devices()[0].device_kind}, "
+                f"per sequence at row T - 1 of a T-row cache, gates {gate_names} random; "
+                f"device {jax.devices()[0].device_kind}, "
                 f"jax {jax.__version__}")
     print(f"bench_decode: {settings}", flush=True)
     os.makedirs(args.out, exist_ok=True)
@@ -99,7 +100,8 @@ def main() -> None:
             position = jnp.int32(seq_len - 1)
             cache = attention.compress(k_cache, v_cache)
             kv_bytes = 2 * batch * seq_len * hkv * d * dtype.itemsize
-            print(f"\n== T={seq_len} B={batch}: dense attention reads {kv_bytes / 1e6:.0f} MB of K/V a step ==", flush=True)
+            print(f"\n== T={seq_len} B={batch}: dense attention reads {kv_bytes / 1e6:.0f} MB of K/V a step ==",
+                  flush=True)
             print(f"{'implementation':28s} {'ms/step':>9s} {'x dense':>8s} {'first s':>8s} {'max|d| vs xla':>14s}")
 
             # Every call is (q, k_cache, v_cache, compressed cache, position) -> (output, cache). Those
@@ -113,7 +115,8 @@ def main() -> None:
 
             def nsa_step(platform, compressed):
                 if not compressed:
-                    return reading(lambda q, kc, vc, c, t: attention(q, kc, vc, query_offset=t, platform=platform, **gates))
+                    return reading(lambda q, kc, vc, c, t: attention(
+                        q, kc, vc, query_offset=t, platform=platform, **gates))
 
                 def step(q, kc, vc, c, t):
                     c = attention.compress(kc, vc, cache=c, new_rows=(t, 1))
@@ -124,7 +127,8 @@ def main() -> None:
             def part(name):
                 platform = "xla" if args.dry_run else "triton"
                 if name == "update":
-                    return updating(lambda q, kc, vc, c, t: (None, attention.compress(kc, vc, cache=c, new_rows=(t, 1))))
+                    return updating(lambda q, kc, vc, c, t: (
+                        None, attention.compress(kc, vc, cache=c, new_rows=(t, 1))))
                 if name == "selections":
                     return reading(lambda q, kc, vc, c, t: attention.selections(
                         q, kc, vc, query_offset=t, compressed=c, platform=platform))

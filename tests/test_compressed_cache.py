@@ -41,7 +41,8 @@ def decode(attention, q, k, v, gates, stale, positions, *, platform, cu_seqlens=
     def write(k_cache, v_cache, cache, t):
         k_cache, v_cache = (jax.lax.dynamic_update_slice_in_dim(c, jax.lax.dynamic_slice_in_dim(x, t, 1, 1), t, 1)
                             for c, x in ((k_cache, k), (v_cache, v)))
-        cache = attention.compress(k_cache, v_cache, cu_seqlens=cu_seqlens, pool_fns=pool_fns, cache=cache, new_rows=(t, 1))
+        cache = attention.compress(k_cache, v_cache, cu_seqlens=cu_seqlens, pool_fns=pool_fns, cache=cache,
+                                   new_rows=(t, 1))
         return k_cache, v_cache, cache
 
     @jax.jit
@@ -71,7 +72,8 @@ def check_decoding(rng, platform, *, batch, seq_len, positions, cu_seqlens=None,
     q, k, v = qkv(rng, batch, seq_len, heads_q, heads_kv, head_dim)
     gates = {name: gate(rng, batch, seq_len, heads_q) for name in NAMES}
     stale = tuple(np.asarray(rng.standard_normal(k.shape), k.dtype) for _ in range(2))
-    outputs, chosen, cache = decode(attention, q, k, v, gates, stale, positions, platform=platform, cu_seqlens=cu_seqlens)
+    outputs, chosen, cache = decode(attention, q, k, v, gates, stale, positions, platform=platform,
+                                    cu_seqlens=cu_seqlens)
 
     # The cache kept one row at a time is the cache of the whole sequence (up to the rounding of
     # the float32 means, which XLA may sum in another order inside another program).
@@ -83,7 +85,8 @@ def check_decoding(rng, platform, *, batch, seq_len, positions, cu_seqlens=None,
     _, _, ref_chosen, scores = nsa_reference(q, k, v, spec, gates=gates, cu_seqlens=cu_seqlens)
     selected = ref_chosen.copy()
     for t in positions:
-        got, want = chosen_scores(scores[:, t : t + 1], chosen[t]), chosen_scores(scores[:, t : t + 1], ref_chosen[:, t : t + 1])
+        row_scores = scores[:, t : t + 1]
+        got, want = chosen_scores(row_scores, chosen[t]), chosen_scores(row_scores, ref_chosen[:, t : t + 1])
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6, err_msg=f"selection of row {t}")
         selected[:, t : t + 1] = chosen[t]
     expected, _, _, _ = nsa_reference(q, k, v, spec, gates=gates, cu_seqlens=cu_seqlens, selected=selected)
@@ -110,7 +113,8 @@ def test_triton_decoding_splits_the_walks_over_keys(rng):
 def test_decoding_packed_sequences_with_a_compressed_cache(rng):
     """Three sequences packed in one row of 90: a sequence's first rows see no compressed key
     of the previous sequence; the cache has a row per sequence more."""
-    check_decoding(rng, "xla", batch=1, seq_len=90, positions=(20, 21, 29, 60, 89), cu_seqlens=np.array([0, 21, 50, 90], np.int32))
+    check_decoding(rng, "xla", batch=1, seq_len=90, positions=(20, 21, 29, 60, 89),
+                   cu_seqlens=np.array([0, 21, 50, 90], np.int32))
 
 
 def test_updating_a_compressed_cache_by_chunks_equals_building_it(rng):

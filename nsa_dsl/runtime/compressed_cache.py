@@ -25,7 +25,6 @@ import jax.numpy as jnp
 from ..plan import plan as p
 from . import layout, validate
 
-
 # Building a cache pools its rows in windows whose gathered key and value blocks (float32) take at most
 # this many bytes: all at once, a million tokens of 8 sequences would gather 32 GiB.
 POOL_BYTES = 256 * 2**20
@@ -97,10 +96,10 @@ def pool(
             block_bytes = 2 * shapes.batch * branch.block * shapes.heads_kv * shapes.head_dim * 4
             length = min(rows, max(POOL_BYTES // block_bytes, 1))
             empty = tuple(jnp.zeros((shapes.batch, rows, shapes.heads_kv, shapes.head_dim), jnp.float32) for _ in "kv")
-            result[name] = jax.lax.fori_loop(
-                0, -(-rows // length), lambda i, arrays: pooled_into(arrays, jnp.minimum(i * length, rows - length), length),
-                empty,
-            )
+            def window(i, arrays, length=length, pooled_into=pooled_into):
+                return pooled_into(arrays, jnp.minimum(i * length, rows - length), length)
+
+            result[name] = jax.lax.fori_loop(0, -(-rows // length), window, empty)
         else:  # recomputing a few more rows than changed changes nothing
             length = _updated_rows(count, branch.block, branch.stride, num_seqs, rows)
             start = layout.first_compressed_row(offsets, first, branch.block, branch.stride)

@@ -107,11 +107,15 @@ def key_value_inputs(key: object, value: object) -> tuple[jax.Array, jax.Array, 
     query of key's shape): the inputs of a compressed cache."""
     key, value = _array("key", key), _array("value", value)
     if key.ndim != 4 or 0 in key.shape:
-        raise ValueError(f"key must be a non-empty [batch, seq_len, num_kv_heads, head_dim] array, got shape {key.shape}")
+        raise ValueError(
+            f"key must be a non-empty [batch, seq_len, num_kv_heads, head_dim] array, got shape {key.shape}"
+        )
     if key.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"key must be float32, bfloat16, float16 or float64, got {key.dtype}")
     if value.shape != key.shape or value.dtype != key.dtype:
-        raise ValueError(f"value must have key's shape {key.shape} and dtype {key.dtype}, got {value.shape} {value.dtype}")
+        raise ValueError(
+            f"value must have key's shape {key.shape} and dtype {key.dtype}, got {value.shape} {value.dtype}"
+        )
     batch, seq_len, heads_kv, head_dim = key.shape
     return key, value, Shapes(batch, seq_len, heads_kv, heads_kv, head_dim, seq_len)
 
@@ -170,7 +174,9 @@ def new_rows(value: object, shapes: Shapes) -> tuple[int | jax.Array, int]:
         raise ValueError(f"new_rows: count must be an int between 1 and seq_len={shapes.seq_len}, got {count!r}")
     first = _key_row("new_rows: first", first)
     if isinstance(first, int) and not 0 <= first <= shapes.seq_len - count:
-        raise ValueError(f"new_rows: first must be between 0 and seq_len - count = {shapes.seq_len - count}, got {first}")
+        raise ValueError(
+            f"new_rows: first must be between 0 and seq_len - count = {shapes.seq_len - count}, got {first}"
+        )
     return first, int(count)
 
 
