@@ -19,7 +19,7 @@ from conftest import FORWARD_TOLERANCE, assert_close, gate, qkv
 from nsa_reference import chosen_scores, nsa_gradients, nsa_reference, small_example
 
 import nsa_dsl
-from nsa_dsl.runtime import compressed_cache
+from nsa_dsl.runtime import compressed_cache, xla_engine
 
 NAMES = ("cmp", "slc", "swa")
 
@@ -108,6 +108,42 @@ def test_triton_decoding_splits_the_walks_over_keys(rng):
     keys, 3 of the top-k's 38 blocks), combined as one walk would have: the reference's output."""
     config = nsa_dsl.NativeSparseAttentionConfig(block_k=16)
     check_decoding(rng, "triton", batch=1, seq_len=600, positions=(120, 377, 599), heads_kv=1, config=config)
+
+
+def test_xla_decoding_gathers_only_the_blocks_it_reads(rng, monkeypatch):
+    """A decoding step's few query tiles (of 1 row) and tokens read a few key blocks of long
+    sequences: the XLA engine gathers those (xla_engine._compacted) instead of transposing all
+    keys. Two batch rows (two items of every branch); output and gradients of q, k, v against
+    the float64 reference, at rows on a block edge and off one."""
+    source, spec = small_example("nsa")
+    attention = nsa_dsl.compile(source)
+    compactions = []
+    real = xla_engine._compacted
+    monkeypatch.setattr(xla_engine, "_compacted", lambda *args: compactions.append(1) or real(*args))
+    batch, seq_len, heads_q, heads_kv, head_dim = 2, 600, 4, 2, 16
+    q, k, v = qkv(rng, batch, seq_len, heads_q, heads_kv, head_dim)
+    gates = {name: gate(rng, batch, seq_len, heads_q) for name in NAMES}
+    _, _, ref_chosen, scores = nsa_reference(q, k, v, spec, gates=gates)
+    for t in (320, 599):
+        rows = slice(t, t + 1)
+        row_gates = {f"g_{n}": g[:, rows] for n, g in gates.items()}
+        chosen = np.asarray(attention.selections(q[:, rows], k, v, query_offset=t, platform="xla")["slc"])
+        np.testing.assert_allclose(chosen_scores(scores[:, rows], chosen),
+                                   chosen_scores(scores[:, rows], ref_chosen[:, rows]), rtol=1e-4, atol=1e-6)
+        selected = ref_chosen.copy()
+        selected[:, rows] = chosen
+        expected, _, _, _ = nsa_reference(q, k, v, spec, gates=gates, selected=selected)
+        d_out = np.zeros_like(q)
+        d_out[:, rows] = rng.standard_normal((batch, 1, heads_q, head_dim))
+        wanted = nsa_gradients(q, k, v, spec, gates, selected, d_out)
+        out, pullback = jax.vjp(
+            lambda q_row, k, v: attention(q_row, k, v, query_offset=t, platform="xla", **row_gates), q[:, rows], k, v)
+        assert_close(out, expected[:, rows], FORWARD_TOLERANCE, f"row {t}")
+        dq, dk, dv = pullback(jnp.asarray(d_out[:, rows]))
+        assert_close(dq, wanted["q"][:, rows], 1e-4, f"dq, row {t}")
+        assert_close(dk, wanted["k"], 1e-4, f"dk, row {t}")
+        assert_close(dv, wanted["v"], 1e-4, f"dv, row {t}")
+    assert compactions, "the step gathered its key blocks"
 
 
 def test_decoding_packed_sequences_with_a_compressed_cache(rng):

@@ -77,8 +77,8 @@ def schedule(keys_for, *, items, rows, heads_q, heads_kv, head_dim, steps, block
 class Frame(NamedTuple):
     """Where the query rows lie among the key rows: batch row b's queries are its keys
     [offset, offset + q_len) -- all of them, unless the queries are one shard of the sequence
-    axis (then q_len and offset are multiples of `block`; offset may be traced). Query tiles
-    are `block` consecutive queries of one sequence."""
+    axis (offset may be traced). Query tiles are `rows` consecutive positions of one sequence
+    within one query block of `block` (the pattern's: block tables have a row per block)."""
 
     offset: jax.Array | int
     q_len: int
@@ -89,6 +89,15 @@ class Frame(NamedTuple):
     @property
     def sharded(self):
         return self.q_len < self.k_len
+
+    @property
+    def rows(self) -> int:
+        """Query rows per tile: the block, or for a shard of fewer rows the smallest divisor of the
+        block that holds them (a decoding step's single query: 1), so that a tile is not mostly
+        rows that hold no query."""
+        if self.q_len >= self.block:
+            return self.block
+        return min(d for d in range(self.q_len, self.block + 1) if self.block % d == 0)
 
     def key_rows(self):
         """[batch * q_len]: each query row's row in the flattened keys."""
@@ -122,38 +131,41 @@ def query_rows(cu_seqlens, frame):
 
 class TilePlacement(NamedTuple):
     first_tile: jax.Array  # [N + 1] id of each sequence's first tile
-    first_block: jax.Array  # [N] query block of that tile
+    first_slot: jax.Array  # [N] that tile's first position // frame.rows
 
 
 def query_tiles(cu_seqlens, frame):
-    """The (sequence, query block) tiles that hold query rows, sequence by sequence, padded to a
-    static bound; and where each sequence's tiles begin (TilePlacement). A tile's rows with no
-    query (before q_lo or from q_hi on, positions in the sequence) see nothing."""
-    block = frame.block
+    """The tiles of frame.rows positions of one sequence that hold query rows, sequence by
+    sequence, padded to a static bound; and where each sequence's tiles begin (TilePlacement).
+    A tile's positions q_pos [tiles, rows] lie in its query block q_block (rows divides the
+    block); those with no query (before q_lo or from q_hi on) see nothing."""
+    rows = frame.rows
     num_seqs = cu_seqlens.shape[0] - 1
     starts = cu_seqlens[:-1]
     lengths = jnp.maximum(cu_seqlens[1:] - starts, 0)
     first, end = frame.query_span(starts)
     q_lo = jnp.clip(first - starts, 0, lengths)
     q_hi = jnp.clip(end - starts, q_lo, lengths)
-    first_block = q_lo // block
-    counts = jnp.where(q_hi > q_lo, -(-q_hi // block) - first_block, 0)
-    # >= sum over sequences of their tiles' count: ceil(rows / block) each, and one more for the
-    # sequence that a shard boundary cuts off mid-tile.
-    num_tiles = (frame.batch * frame.q_len + num_seqs * (block - 1)) // block + (1 if frame.sharded else 0)
+    first_slot = q_lo // rows
+    counts = jnp.where(q_hi > q_lo, -(-q_hi // rows) - first_slot, 0)
+    # >= sum over sequences of their tiles' count: ceil(rows / tile rows) each, and one more for
+    # the sequence that a shard boundary cuts off mid-tile.
+    num_tiles = (frame.batch * frame.q_len + num_seqs * (rows - 1)) // rows + (1 if frame.sharded else 0)
     first_tile = jnp.concatenate([jnp.zeros(1, counts.dtype), jnp.cumsum(counts)])
     tile = jnp.arange(num_tiles)
     seq = jnp.minimum(jnp.searchsorted(first_tile[1:], tile, side="right"), num_seqs - 1)
+    q_first = (first_slot[seq] + tile - first_tile[seq]) * rows
     tiles = {
         "seq": seq,
         "start": starts[seq],
         "length": lengths[seq],
-        "q_block": first_block[seq] + tile - first_tile[seq],
+        "q_block": q_first // frame.block,
+        "q_pos": q_first[:, None] + jnp.arange(rows),
         "q_lo": q_lo[seq],
         "q_hi": q_hi[seq],
         "valid": tile < first_tile[-1],
     }
-    return tiles, TilePlacement(first_tile, first_block)
+    return tiles, TilePlacement(first_tile, first_slot)
 
 
 def tile_queries(tiles, q_pos):
@@ -162,25 +174,24 @@ def tile_queries(tiles, q_pos):
 
 
 def tile_rows(rows, tiles, frame, heads_kv):
-    """Per-query rows [N, H, D] of every tile -> [tiles, HKV, block, H // HKV, D]; rows that hold
-    no query are whatever the clamped gather reads (callers mask them)."""
-    block = frame.block
+    """Per-query rows [N, H, D] of every tile -> [tiles, HKV, frame.rows, H // HKV, D]; rows that
+    hold no query are whatever the clamped gather reads (callers mask them)."""
     num_tiles = tiles["start"].shape[0]
     heads, dim = rows.shape[1:]
-    index = frame.query_rows(tiles["start"][:, None] + tiles["q_block"][:, None] * block + jnp.arange(block))
+    index = frame.query_rows(tiles["start"][:, None] + tiles["q_pos"])
     blocks = jnp.take(rows, index, axis=0, mode="clip")
-    return blocks.reshape(num_tiles, block, heads_kv, heads // heads_kv, dim).transpose(0, 2, 1, 3, 4)
+    return blocks.reshape(num_tiles, frame.rows, heads_kv, heads // heads_kv, dim).transpose(0, 2, 1, 3, 4)
 
 
 def untile(out, cu_seqlens, placement, frame):
-    """[tiles, HKV, block, ...] per tile -> [queries, HKV, ...] per query row (zeros outside
+    """[tiles, HKV, frame.rows, ...] per tile -> [queries, HKV, ...] per query row (zeros outside
     every sequence)."""
-    block = frame.block
+    rows = frame.rows
     num_tiles, heads_kv = out.shape[:2]
-    out = out.swapaxes(1, 2).reshape(num_tiles * block, heads_kv, *out.shape[3:])
+    out = out.swapaxes(1, 2).reshape(num_tiles * rows, heads_kv, *out.shape[3:])
     tokens = query_rows(cu_seqlens, frame)
-    tile = placement.first_tile[tokens.seq] + tokens.pos // block - placement.first_block[tokens.seq]
-    row = tile * block + tokens.pos % block
+    tile = placement.first_tile[tokens.seq] + tokens.pos // rows - placement.first_slot[tokens.seq]
+    row = tile * rows + tokens.pos % rows
     valid = (tokens.pos >= 0).reshape(-1, *[1] * (out.ndim - 1))
     return jnp.where(valid, jnp.take(out, row, axis=0, mode="clip"), jnp.zeros((), out.dtype))
 
@@ -337,6 +348,8 @@ def gathered_attention(sched, queries, keys, values, work):
     """queries [items, HKV, R, G, D] float32, already scaled; keys/values [N, HKV, D]; work: the
     items' arrays for sched.keys_for (leading dim items) -> [items, HKV, R, G, D] float32."""
     items = queries.shape[0]
+    if COMPACT_SHARE * items * sched.steps * sched.block < keys.shape[0]:
+        sched, keys, values, work = _compacted(sched, keys, values, work, items)
     padded = -(-items // sched.chunk) * sched.chunk
 
     def pad(x):  # padding items are zeros: invalid, and see nothing
@@ -347,6 +360,35 @@ def gathered_attention(sched, queries, keys, values, work):
     values = jnp.pad(values.transpose(1, 0, 2), ((0, 0), (0, sched.block), (0, 0)))
     out = _chunked_attention(sched, pad(queries), keys_t, values, jax.tree.map(pad, work))
     return out[:items]
+
+
+# Where the items read few of the keys (a decoding step's query: a window, some selected blocks),
+# transposing all of them would cost more than the attention: items * steps * block rows times
+# COMPACT_SHARE below the key count gather them first, block after block, and read that instead.
+COMPACT_SHARE = 4
+
+
+def _compacted(sched, keys, values, work, items):
+    """(sched, keys, values, work) reading the key blocks every item reads, gathered into
+    [steps * items * block, HKV, D] (item i's block of step s at rows (s * items + i) * block,
+    for each head the one it reads), instead of all N keys. A gather: gradients reach keys and
+    values by autodiff."""
+    heads_kv = keys.shape[1]
+    starts = jnp.stack(
+        [jnp.broadcast_to(sched.keys_for(work, step)[0], (items, heads_kv)) for step in range(sched.steps)]
+    )
+    rows = jnp.clip(starts[..., None] + jnp.arange(sched.block), 0, keys.shape[0] - 1)  # [steps, items, HKV, block]
+    heads = jnp.arange(heads_kv)[:, None]
+    keys, values = (x[rows, heads].transpose(0, 1, 3, 2, 4).reshape(-1, heads_kv, x.shape[-1]) for x in (keys, values))
+
+    def keys_for(chunk, step):
+        _, visible = sched.keys_for(chunk, step)
+        return ((step * items + chunk[_ITEM]) * sched.block)[:, None], visible
+
+    return sched._replace(keys_for=keys_for), keys, values, {**work, _ITEM: jnp.arange(items)}
+
+
+_ITEM = "compacted item"
 
 
 # ---- Native Sparse Attention: compression and top-k selection ---------------------------------
@@ -364,10 +406,10 @@ def gathered_attention(sched, queries, keys, values, work):
 
 
 def compressed_key_blocks(block, cmp_block, cmp_stride, tiles, step):
-    """The block of `block` compressed keys each tile (of `block` queries) of a chunk reads at
-    `step`, and which of its (query, compressed key) pairs are visible (Schedule.keys_for)."""
+    """The block of `block` compressed keys each query tile of a chunk reads at `step`, and which
+    of its (query, compressed key) pairs are visible (Schedule.keys_for)."""
     index = step * block + jnp.arange(block)  # compressed keys of the tile's sequence
-    q_pos = tiles["q_block"][:, None] * block + jnp.arange(block)  # [C, block]
+    q_pos = tiles["q_pos"]  # [C, rows]
     q_used = tile_queries(tiles, q_pos)
     complete = index[None, None, :] * cmp_stride + cmp_block - 1 <= q_pos[:, :, None]
     visible = q_used[:, :, None] & (index[None, :] < tiles["cmp_count"][:, None])[:, None, :] & complete
@@ -386,12 +428,12 @@ def compression(queries, pooled, cu_seqlens, frame, cmp_block, cmp_stride, chunk
     most = max((frame.k_len - cmp_block) // cmp_stride + 1, 1)  # compressed keys of the longest sequence
     block = frame.block
     # A tile reads the blocks of compressed keys complete by its last query.
-    last = jnp.minimum(tiles["q_block"] * block + block, tiles["length"]) - 1
+    last = jnp.minimum(tiles["q_pos"][:, -1], tiles["length"] - 1)
     seen = jnp.clip((last - cmp_block + 1) // cmp_stride + 1, 0, tiles["cmp_count"])
     tiles[STEPS] = jnp.where(tiles["valid"], -(-seen // block), 0)
     sched = schedule(
         functools.partial(compressed_key_blocks, block, cmp_block, cmp_stride),
-        items=tiles["start"].shape[0], rows=block, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim,
+        items=tiles["start"].shape[0], rows=frame.rows, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim,
         steps=-(-most // block), block=block, chunk_bytes=chunk_bytes,
     )
     out = gathered_attention(sched, tile_rows(queries, tiles, frame, heads_kv), k_cmp, v_cmp, tiles)
@@ -443,7 +485,7 @@ def topk_selection(
     -1 unused) from queries [Nq, HQ, D] (scaled) and a compress branch's layout.pool_compressed,
     scoring as many tiles at once as keep their float32 scores near `chunk_bytes`.
     Every query of a `query_block` group must be among the queries (the runtime sees to it)."""
-    block = frame.block
+    rows = frame.rows
     k_cmp, _, cmp_offsets = pooled
     heads_kv = k_cmp.shape[1]
     tiles, placement = query_tiles(cu_seqlens, frame)
@@ -455,15 +497,14 @@ def topk_selection(
     k_cmp = jnp.pad(lax.stop_gradient(k_cmp).transpose(1, 0, 2), ((0, 0), (0, most), (0, 0)))
 
     def one_tile(tile):
-        q, q_block, length, cmp_first, cmp_count = tile
+        q, q_pos, length, cmp_first, cmp_count = tile
         k = lax.dynamic_slice_in_dim(k_cmp, cmp_first, most, axis=1)
-        q_pos = q_block * block + jnp.arange(block)
         scores = selection_scores(
             q[None], k[None], cmp_count[None], q_pos[None], length[None], cmp_block, cmp_stride, sel_block, num_sel
         )[0]
         # One selection per `query_block` consecutive queries: their scores add up, and the
         # group's last query (within the sequence) decides which blocks are causally valid.
-        scores = scores.reshape(heads_kv, block // query_block, query_block, num_sel).sum(axis=2)
+        scores = scores.reshape(heads_kv, rows // query_block, query_block, num_sel).sum(axis=2)
         group_last = jnp.maximum(jnp.minimum(q_pos.reshape(-1, query_block)[:, -1], length - 1), 0)
         row = jnp.minimum(group_last // sel_block, forced_indices.shape[0] - 1)
         forced_ids = jnp.where(
@@ -471,13 +512,13 @@ def topk_selection(
         )
         forced = (jnp.arange(num_sel)[None, :, None] == forced_ids[:, None, :]).any(axis=-1)  # [groups, num_sel]
         chosen = top_blocks(scores, group_last // sel_block, forced[None], count)  # [HKV, groups, count]
-        return jnp.repeat(chosen, query_block, axis=1)  # [HKV, block, count]
+        return jnp.repeat(chosen, query_block, axis=1)  # [HKV, rows, count]
 
     heads = queries.shape[1]
-    tile_bytes = 4 * block * heads * (2 * most + num_sel)  # scores, probabilities, block importances
+    tile_bytes = 4 * rows * heads * (2 * most + num_sel)  # scores, probabilities, block importances
     chosen = lax.map(
         one_tile,
-        (q_tiles, tiles["q_block"], tiles["length"], cmp_offsets[tiles["seq"]], jnp.diff(cmp_offsets)[tiles["seq"]]),
+        (q_tiles, tiles["q_pos"], tiles["length"], cmp_offsets[tiles["seq"]], jnp.diff(cmp_offsets)[tiles["seq"]]),
         batch_size=max(1, min(tiles["start"].shape[0], chunk_bytes // tile_bytes)),
     )
     # Rows outside every sequence select nothing (-1), not block 0.
