@@ -11,6 +11,11 @@ gradients through a cache built inside the differentiated function; learned pool
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -271,3 +276,13 @@ def test_bad_compressed_caches_are_refused(rng):
     window = nsa_dsl.compile("pattern w\nblock 16\ncausal\nbranch swa = window(24)\n")
     with pytest.raises(ValueError, match="pattern 'w' has no compress branch"):
         window.compress(k, v)
+
+
+def test_the_decoding_example_matches_one_call_over_the_whole_sequence():
+    """examples/decode.py (prefill, then a jitted, donating step per token) runs and its decoded
+    rows equal one call over the whole sequence."""
+    example = Path(__file__).resolve().parent.parent / "examples" / "decode.py"
+    result = subprocess.run([sys.executable, str(example), "--prompt", "300", "--new", "5"],
+                            capture_output=True, text=True, timeout=600, check=True)
+    difference = float(re.search(r"max relative difference (\S+)", result.stdout).group(1))
+    assert difference < 1e-5, result.stdout
