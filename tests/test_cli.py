@@ -93,6 +93,24 @@ def test_written_module_imports_and_holds_the_plan(source_file: Path, tmp_path: 
     assert np.abs(out - expected).max() <= 1e-5 * np.abs(expected).max()
 
 
+def test_written_nsa_module_decodes_with_its_compressed_cache(tmp_path: Path) -> None:
+    """A written module of a pattern with a compress branch has `compress`: its cache, passed to
+    sparse_attention as compressed=, gives a decoding step the rows of a whole-sequence call."""
+    import numpy as np
+
+    assert cli.main([str(ROOT / "examples" / "nsa.nsa"), "-o", str(tmp_path)]) == 0
+    spec = importlib.util.spec_from_file_location("nsa_xla", tmp_path / "nsa_xla.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((1, 150, heads, 16), dtype=np.float32) for heads in (4, 2, 2))
+    gates = {name: rng.uniform(size=(1, 150, 4)).astype(np.float32) for name in ("g_cmp", "g_slc", "g_swa")}
+    whole = np.asarray(module.sparse_attention(q, k, v, gates=gates))
+    step = module.sparse_attention(q[:, 149:], k, v, gates={n: g[:, 149:] for n, g in gates.items()}, query_offset=149,
+                                   compressed=module.compress(k, v))
+    assert np.abs(np.asarray(step) - whole[:, 149:]).max() <= 1e-5 * np.abs(whole).max()
+
+
 def test_define_overrides_a_param(source_file: Path, tmp_path: Path, capsys) -> None:
     assert (
         cli.main(
