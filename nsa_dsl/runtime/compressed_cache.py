@@ -96,7 +96,8 @@ def pool(
             block_bytes = 2 * shapes.batch * branch.block * shapes.heads_kv * shapes.head_dim * 4
             length = min(rows, max(POOL_BYTES // block_bytes, 1))
             empty = tuple(jnp.zeros((shapes.batch, rows, shapes.heads_kv, shapes.head_dim), jnp.float32) for _ in "kv")
-            def window(i, arrays, length=length, pooled_into=pooled_into):
+
+            def window(i, arrays, rows=rows, length=length, pooled_into=pooled_into):
                 return pooled_into(arrays, jnp.minimum(i * length, rows - length), length)
 
             result[name] = jax.lax.fori_loop(0, -(-rows // length), window, empty)
