@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .layout import compressed_rows
+
 _FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64)
 
 
@@ -150,7 +152,7 @@ def compressed_cache(value: object, strides: Mapping[str, int], shapes: Shapes, 
         pair = value[name]
         if not isinstance(pair, (tuple, list)) or len(pair) != 2:
             raise ValueError(f"compressed[{name!r}] must be a pair (k_cmp, v_cmp), got {type(pair).__name__}")
-        wanted = (shapes.batch, shapes.seq_len // stride + num_seqs, shapes.heads_kv, shapes.head_dim)
+        wanted = (shapes.batch, compressed_rows(shapes.seq_len, num_seqs, stride), shapes.heads_kv, shapes.head_dim)
         arrays = tuple(_array(f"compressed[{name!r}]", x) for x in pair)
         for part, array in zip(("k_cmp", "v_cmp"), arrays):
             if array.shape != wanted or array.dtype != jnp.float32:
