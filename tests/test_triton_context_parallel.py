@@ -22,7 +22,9 @@ sum of the shards' dK/dV).
 - full NSA (compression, top-k with forced blocks, sliding window) on packed sequences, one too
   short to compress: each shard's selections score like the reference's best;
 - top-k `per block(8)` on packed sequences, groups straddling shards, scored from every query
-  (scoring_query).
+  (scoring_query);
+- shards of several batch rows (a shift from query rows to key rows per batch row): full NSA and
+  table branches, each kernel launched once for all rows.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from nsa_dsl.config import NativeSparseAttentionConfig
 from nsa_dsl.dsl import model
 from nsa_dsl.plan import plan as p
 from nsa_dsl.plan.ranges import static_launches
-from nsa_dsl.runtime import attend, needs_scoring_query, selections
+from nsa_dsl.runtime import attend, needs_scoring_query, selections, triton_glue
 
 PLATFORM = "triton"
 BLOCK = 16
@@ -318,3 +320,71 @@ def check_per_block_groups(rng, heads_q: int, heads_kv: int, platform=PLATFORM):
     q, k, v = qkv(rng, 1, seq_len, heads_q, heads_kv, head_dim)
     gates = {name: gate(rng, 1, seq_len, heads_q) for name in ("g_cmp", "g_slc")}
     check_nsa_shards(rng, source, spec, q, k, v, gates, cu, shards(0, 32, 64, 96), platform=platform)
+
+
+# ---- several batch rows ------------------------------------------------------------------------
+
+
+NSA_SOURCE = (
+    f"pattern nsa\nblock {BLOCK}\ncausal\n"
+    "branch cmp = compress(block=8, stride=4) gate g_cmp\n"
+    "branch slc = topk(4, block=16, score=cmp, force=global(first=1) | local(2)) gate g_slc\n"
+    "branch swa = window(24) gate g_swa\n"
+)
+NSA_SPEC = NsaSpec(compress_block=8, compress_stride=4, select_count=4, select_block=16, window=24,
+                   forced=lambda qb, kb: kb < 1 or qb - 2 < kb <= qb)
+
+
+def launched_kernels(monkeypatch, run) -> list[str]:
+    """The Triton kernels `run()` launches while jax traces it (names, in order)."""
+    names = []
+    launch = triton_glue.launch
+
+    def recording(kernel, *args, **kwargs):
+        names.append(kernel.__name__)
+        return launch(kernel, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(triton_glue, "launch", recording)
+        run()
+    return names
+
+
+def test_nsa_shards_of_three_batch_rows_in_one_launch_per_kernel(rng, monkeypatch):
+    """Full NSA on shards of 3 batch rows of 75 tokens (rows [offset, offset + Tq) of each: a
+    decoding step's single row, and shards off block edges): outputs, selections and gradients
+    are the paper reference's, and each kernel launches once for the three rows, as for one."""
+    batch, seq_len, heads_q, heads_kv, head_dim = 3, 75, 4, 2, 12
+    q, k, v = qkv(rng, batch, seq_len, heads_q, heads_kv, head_dim)
+    gates = {name: gate(rng, batch, seq_len, heads_q) for name in ("g_cmp", "g_slc", "g_swa")}
+    config = NativeSparseAttentionConfig(block_size=BLOCK, block_k=BLOCK)
+    check_nsa_shards(rng, NSA_SOURCE, NSA_SPEC, q, k, v, gates, None, shards(0, 30, 31, 74, 75), config)
+
+    plan = nsa_dsl.compile(NSA_SOURCE).plan
+
+    def kernels(rows: int) -> list[str]:
+        def run():
+            jax.make_jaxpr(lambda q, k, v: attend(
+                plan, q[:rows, 40:41], k[:rows], v[:rows], gates={"g_cmp": gates["g_cmp"][:rows, 40:41]},
+                query_offset=40, platform=PLATFORM, config=config))(q, k, v)
+        return launched_kernels(monkeypatch, run)
+
+    one = kernels(1)
+    assert one and kernels(batch) == one, "a batch's shard must launch each kernel once, as one row does"
+
+
+def test_table_branches_on_shards_of_two_batch_rows(rng):
+    """Table-form and range branches, bidirectional (a shard's queries see later keys), on
+    shards of 2 batch rows: each batch row's query tiles and its dk/dv walks over its own
+    query rows."""
+    plan = nsa_dsl.compile(
+        f"pattern tabled\nblock {BLOCK}\nbidirectional\ngate g_near\ngate g_wide\n"
+        "branch near = (local(2, 1) | global(first=1) | random(2, seed=5)) - blocks(3) gate g_near\n"
+        "branch wide = window(12, 20) | global(first=1) gate g_wide\n"
+    ).plan
+    batch, seq_len, heads_q, heads_kv, head_dim = 2, 56, 2, 1, 16
+    q, k, v = qkv(rng, batch, seq_len, heads_q, heads_kv, head_dim)
+    gates = {name: gate(rng, batch, seq_len, heads_q) for name in ("g_near", "g_wide")}
+    expected, gradients = static_reference(plan, q, k, v, gates)
+    check_every_shard(rng, static_attention(plan, config=SMALL_TILES), q, k, v, gates, shards(0, 19, 20, 56),
+                      expected, gradients)

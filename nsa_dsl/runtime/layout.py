@@ -96,24 +96,62 @@ def rows(offsets: jax.Array, total: int) -> Rows:
 
 
 class QueryRows(NamedTuple):
-    """The key rows a call's queries are: [first, first + count). All of them, unless the queries
-    are one shard of the sequence axis (context parallelism): then query row i is key row
-    first + i (one batch row; `first` may be traced)."""
+    """The key rows a call's queries are. All of them, unless the queries are a shard of the
+    sequence axis (context parallelism, a decoding step): then sequence s's query rows are its
+    key rows [low[s], high[s]), and query row i of it is key row i + shift[s]. One shard of
+    packed rows has one shift; a shard of each of B batch rows (rows [first, first + count) of
+    every one) has a shift per batch row, so that one launch serves them all."""
 
-    first: jax.Array | int
-    count: int
+    low: jax.Array  # [num_seqs] int32 (may lie outside the sequence: sequence_blocks clips)
+    high: jax.Array  # [num_seqs] int32
+    shift: jax.Array  # [num_seqs] int32
+    key_rows: jax.Array  # [count] int32, the key row of each query row
+
+    @property
+    def count(self) -> int:
+        return self.key_rows.shape[0]
+
+    @classmethod
+    def shard(cls, first, count: int, num_seqs: int) -> QueryRows:
+        """Query row i is key row first + i (`first` may be traced): all rows with first 0 and
+        count the keys."""
+        first = jnp.asarray(first, jnp.int32)
+        each = jnp.full((num_seqs,), first, jnp.int32)
+        return cls(each, each + count, each, first + jnp.arange(count, dtype=jnp.int32))
+
+    @classmethod
+    def of_batch_rows(cls, first, count: int, batch: int, seq_len: int) -> QueryRows:
+        """Rows [first, first + count) of each of `batch` rows of seq_len keys, batch row after
+        batch row."""
+        first = jnp.asarray(first, jnp.int32)
+        row = jnp.arange(batch, dtype=jnp.int32)
+        low = row * seq_len + first
+        shift = low - row * count
+        return cls(low, low + count, shift, jnp.arange(batch * count, dtype=jnp.int32) + jnp.repeat(shift, count))
 
     def own(self, x):
         """x (arrays, or a tuple of them) [N, ...] per key row -> [count, ...] for the query rows."""
-        first = jnp.asarray(self.first, jnp.int32)
-        return jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, first, self.count), x)
+        return jax.tree.map(lambda a: jnp.take(a, self.key_rows, axis=0, mode="clip"), x)
+
+    def of_blocks(self, blocks: Blocks) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Per block of `blocks`: its sequence's query rows' (low, high, shift)."""
+        seq = blocks.sequences()
+        return self.low[seq], self.high[seq], self.shift[seq]
+
+
+def query_rows(query_offset, batch: int, q_len: int, seq_len: int, offsets: jax.Array) -> QueryRows:
+    """The key rows of a call's queries [B, Tq] against keys [B, T]: rows [query_offset,
+    query_offset + Tq) of every batch row (of the packed rows with cu_seqlens, where B is 1)."""
+    if batch == 1:
+        return QueryRows.shard(query_offset, q_len, offsets.shape[0] - 1)
+    return QueryRows.of_batch_rows(query_offset, q_len, batch, seq_len)
 
 
 def per_batch_row(entry, query, key, value, scoring_query, **arrays):
     """`entry` (a generated module's attention or selections) called for each batch row of the
     query, key, value, scoring_query and every array in `arrays` (pytrees of them, or None), its
-    results concatenated along the batch: a shard of the queries of several batch rows is one
-    shift of the key rows per batch row, and the kernels take one shift."""
+    results concatenated along the batch: for kernels that map query rows to key rows by one
+    shift (the Pallas backend's), which a shard of the queries of several batch rows is not."""
 
     def row(x, b):
         return jax.tree.map(lambda array: array[b : b + 1], x)
@@ -156,9 +194,9 @@ class Blocks(NamedTuple):
 
 def sequence_blocks(offsets: jax.Array, total: int, block: int, queries: QueryRows | None = None) -> Blocks:
     """The blocks of `block` rows of the sequences in rows [0, total); with `queries`, those
-    holding a query row, clipped to the query rows. Padding blocks are empty at the queries'
-    first row (whose sequence starts there), so that a kernel clamping into one reads a row
-    that exists."""
+    holding a query row, clipped to the query rows. Padding blocks are empty at the first query
+    row (whose sequence starts there), so that a kernel clamping into one reads a row that
+    exists."""
     num_seqs = offsets.shape[0] - 1
     starts = offsets[:-1]
     ends = jnp.maximum(offsets[1:], starts)
@@ -166,8 +204,8 @@ def sequence_blocks(offsets: jax.Array, total: int, block: int, queries: QueryRo
         low, high = 0, total
         count = max((total + num_seqs * (block - 1)) // block, 1)  # >= sum of ceil(length / block)
     else:
-        low, high = queries.first, queries.first + queries.count
-        # A sequence's part within the queries, unaligned at both ends, spans at most
+        low, high = queries.low, queries.high
+        # A sequence's part among the query rows, unaligned at both ends, spans at most
         # (length + 2 * block - 2) // block blocks.
         count = max((queries.count + num_seqs * (2 * block - 2)) // block, 1)
     part_low, part_high = jnp.clip(starts, low, high), jnp.clip(ends, low, high)
@@ -178,7 +216,7 @@ def sequence_blocks(offsets: jax.Array, total: int, block: int, queries: QueryRo
     seq = jnp.clip(jnp.searchsorted(seq_first[1:], ids, side="right"), 0, num_seqs - 1)
     used = ids < seq_first[-1]
     block_first = starts[seq] + (first_block[seq] + ids - seq_first[seq]) * block
-    padding = jnp.asarray(low, jnp.int32)
+    padding = jnp.asarray(low if queries is None else queries.key_rows[0], jnp.int32)
     first = jnp.where(used, jnp.maximum(block_first, part_low[seq]), padding)
     end_row = jnp.where(used, jnp.minimum(block_first + block, part_high[seq]), padding)
     start = jnp.where(used, starts[seq], padding)
