@@ -87,3 +87,31 @@ def test_pair_lists_are_the_selection_transposed(rng, monkeypatch, one_key):
             ]
             listed = slice(bounds[h, b], bounds[h, b + 1])
             assert list(zip(tokens[listed].tolist(), slots[listed].tolist())) == expected, (h, b)
+
+
+@pytest.mark.parametrize(
+    "queries, offsets, keys",
+    [
+        # rows 20..45 of packed sequences: one shift, sequences cut at both ends
+        (layout.QueryRows.shard(20, 26, 3), np.array(CU_SEQLENS), TOTAL),
+        # rows 13..17 of each of 3 batch rows of 40: a shift per batch row
+        (layout.QueryRows.of_batch_rows(13, 5, 3, 40), np.arange(4) * 40, 120),
+        # a decoding step: the last row of each of 4 batch rows of 24
+        (layout.QueryRows.of_batch_rows(23, 1, 4, 24), np.arange(5) * 24, 96),
+    ],
+)
+def test_query_tiles_map_every_row_they_read_to_a_query_row(queries, offsets, keys):
+    """Query tiles of a shard (sequence_blocks with QueryRows) and their shifts (of_blocks): a
+    tile's rows are query rows of its sequence, each at key row - shift; a padding tile's first
+    row (which kernels clamp into) is a query row that exists."""
+    blocks = layout.sequence_blocks(offsets, keys, 8, queries)
+    low, high, shift = (np.asarray(x) for x in queries.of_blocks(blocks))
+    key_rows = np.asarray(queries.key_rows)
+    first, end = np.asarray(blocks.first_row), np.asarray(blocks.end_row)
+    covered = []
+    for b in range(blocks.count):
+        assert 0 <= first[b] - shift[b] < queries.count, f"block {b} reads a row that does not exist"
+        for row in range(first[b], end[b]):
+            assert low[b] <= row < high[b] and key_rows[row - shift[b]] == row, (b, row)
+            covered.append(row)
+    assert sorted(covered) == sorted(key_rows.tolist()), "every query row in exactly one tile"

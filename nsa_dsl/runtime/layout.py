@@ -134,9 +134,14 @@ class QueryRows(NamedTuple):
         return jax.tree.map(lambda a: jnp.take(a, self.key_rows, axis=0, mode="clip"), x)
 
     def of_blocks(self, blocks: Blocks) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Per block of `blocks`: its sequence's query rows' (low, high, shift)."""
+        """Per block of `blocks`: its sequence's query rows' (low, high, shift). A padding block
+        has no query rows, and the shift that makes its first row query row 0: kernels clamp the
+        rows they read into a block, and its first row must be one that exists."""
         seq = blocks.sequences()
-        return self.low[seq], self.high[seq], self.shift[seq]
+        used = blocks.first_row < blocks.end_row
+        start = blocks.seq_start
+        return (jnp.where(used, self.low[seq], start), jnp.where(used, self.high[seq], start),
+                jnp.where(used, self.shift[seq], start))
 
 
 def query_rows(query_offset, batch: int, q_len: int, seq_len: int, offsets: jax.Array) -> QueryRows:
