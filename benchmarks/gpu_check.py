@@ -372,7 +372,7 @@ def run_tuning(T, HQ=64, HKV=4, D=128, S=16, block=64, dtype="bfloat16") -> dict
     counts = jnp.full((T, HKV), S, jnp.int32)
     scale = jnp.full((1,), 1.0 / math.sqrt(D), jnp.float32)
     offsets = layout.sequence_offsets(None, 1, T)
-    query_first = jnp.zeros((1,), jnp.int32)
+    queries = layout.QueryRows.shard(0, T, 1)
     spec = module.Selection(block, HKV, HQ // HKV, D, S)
     rows = layout.rows(offsets, T)
 
@@ -382,7 +382,7 @@ def run_tuning(T, HQ=64, HKV=4, D=128, S=16, block=64, dtype="bfloat16") -> dict
     selected = jax.jit(clean)(indices)
 
     def forward(q, k, v, selected):
-        return module._selection_forward(spec, q, k, v, scale, selected, offsets, query_first)
+        return module._selection_forward(spec, q, k, v, scale, selected, offsets, queries)
 
     def backward(residuals, d_out):
         return module._selection_backward(spec, residuals, d_out)[:3]

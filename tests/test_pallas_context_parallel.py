@@ -20,6 +20,8 @@ off block edges, single queries among them.
   shard's selections score like the reference's best;
 - top-k `per block(8)` on packed sequences, groups straddling shards, scored from every query
   (scoring_query);
+- shards of several batch rows (a shift per batch row): full NSA, each kernel one pallas_call for
+  all rows, and table branches;
 - the kernels with a traced shard offset lower (not run) for CUDA; the TPU variant refuses a
   shard.
 
@@ -40,6 +42,8 @@ from test_triton_context_parallel import (
     check_every_shard,
     check_explicit_selection,
     check_nsa_shards,
+    check_batch_row_shards,
+    check_batch_row_tables,
     check_per_block_groups,
     shards,
     static_attention,
@@ -153,6 +157,21 @@ def test_topk_per_block_of_queries_straddling_shards(rng):
     boundaries: each shard's top-k scores them from every query (scoring_query) and keeps its
     own rows' selections. GQA group 2."""
     check_per_block_groups(rng, heads_q=4, heads_kv=2, platform=PLATFORM)
+
+
+# ---- several batch rows ------------------------------------------------------------------------
+
+
+def test_nsa_shards_of_three_batch_rows_in_one_launch_per_kernel(rng, monkeypatch):
+    """Full NSA on shards of 3 batch rows of 75 tokens (a decoding step's single row among them):
+    the paper reference's outputs, selections and gradients, and one pallas_call per kernel for
+    the three rows, as for one."""
+    check_batch_row_shards(rng, monkeypatch, platform=PLATFORM)
+
+
+def test_table_branches_on_shards_of_two_batch_rows(rng):
+    """Table branches, bidirectional, on shards of 2 batch rows."""
+    check_batch_row_tables(rng, platform=PLATFORM)
 
 
 # ---- lowering, and the TPU variant -------------------------------------------------------------

@@ -335,8 +335,13 @@ NSA_SPEC = NsaSpec(compress_block=8, compress_stride=4, select_count=4, select_b
                    forced=lambda qb, kb: kb < 1 or qb - 2 < kb <= qb)
 
 
-def launched_kernels(monkeypatch, run) -> list[str]:
-    """The Triton kernels `run()` launches while jax traces it (names, in order)."""
+def launched_kernels(monkeypatch, platform: str, run) -> list[str]:
+    """The kernels `run(trace)` launches while jax traces it (trace: jax.make_jaxpr's jaxpr of a
+    function, as text): Triton kernels by name, or Pallas calls."""
+    if platform != "triton":
+        found = []
+        run(lambda fn, *args: found.extend(["pallas_call"] * str(jax.make_jaxpr(fn)(*args)).count("pallas_call[")))
+        return found
     names = []
     launch = triton_glue.launch
 
@@ -346,7 +351,7 @@ def launched_kernels(monkeypatch, run) -> list[str]:
 
     with monkeypatch.context() as patch:
         patch.setattr(triton_glue, "launch", recording)
-        run()
+        run(lambda fn, *args: jax.make_jaxpr(fn)(*args))
     return names
 
 
@@ -354,20 +359,26 @@ def test_nsa_shards_of_three_batch_rows_in_one_launch_per_kernel(rng, monkeypatc
     """Full NSA on shards of 3 batch rows of 75 tokens (rows [offset, offset + Tq) of each: a
     decoding step's single row, and shards off block edges): outputs, selections and gradients
     are the paper reference's, and each kernel launches once for the three rows, as for one."""
+    check_batch_row_shards(rng, monkeypatch)
+
+
+def check_batch_row_shards(rng, monkeypatch, platform=PLATFORM):
+    """test_nsa_shards_of_three_batch_rows_in_one_launch_per_kernel on `platform`."""
     batch, seq_len, heads_q, heads_kv, head_dim = 3, 75, 4, 2, 12
     q, k, v = qkv(rng, batch, seq_len, heads_q, heads_kv, head_dim)
     gates = {name: gate(rng, batch, seq_len, heads_q) for name in ("g_cmp", "g_slc", "g_swa")}
     config = NativeSparseAttentionConfig(block_size=BLOCK, block_k=BLOCK)
-    check_nsa_shards(rng, NSA_SOURCE, NSA_SPEC, q, k, v, gates, None, shards(0, 30, 31, 74, 75), config)
+    check_nsa_shards(rng, NSA_SOURCE, NSA_SPEC, q, k, v, gates, None, shards(0, 30, 31, 74, 75), config,
+                     platform=platform)
 
     plan = nsa_dsl.compile(NSA_SOURCE).plan
 
     def kernels(rows: int) -> list[str]:
-        def run():
-            jax.make_jaxpr(lambda q, k, v: attend(
+        def run(trace):
+            trace(lambda q, k, v: attend(
                 plan, q[:rows, 40:41], k[:rows], v[:rows], gates={"g_cmp": gates["g_cmp"][:rows, 40:41]},
-                query_offset=40, platform=PLATFORM, config=config))(q, k, v)
-        return launched_kernels(monkeypatch, run)
+                query_offset=40, platform=platform, config=config), q, k, v)
+        return launched_kernels(monkeypatch, platform, run)
 
     one = kernels(1)
     assert one and kernels(batch) == one, "a batch's shard must launch each kernel once, as one row does"
@@ -377,6 +388,11 @@ def test_table_branches_on_shards_of_two_batch_rows(rng):
     """Table-form and range branches, bidirectional (a shard's queries see later keys), on
     shards of 2 batch rows: each batch row's query tiles and its dk/dv walks over its own
     query rows."""
+    check_batch_row_tables(rng)
+
+
+def check_batch_row_tables(rng, platform=PLATFORM):
+    """test_table_branches_on_shards_of_two_batch_rows on `platform`."""
     plan = nsa_dsl.compile(
         f"pattern tabled\nblock {BLOCK}\nbidirectional\ngate g_near\ngate g_wide\n"
         "branch near = (local(2, 1) | global(first=1) | random(2, seed=5)) - blocks(3) gate g_near\n"
@@ -386,5 +402,5 @@ def test_table_branches_on_shards_of_two_batch_rows(rng):
     q, k, v = qkv(rng, batch, seq_len, heads_q, heads_kv, head_dim)
     gates = {name: gate(rng, batch, seq_len, heads_q) for name in ("g_near", "g_wide")}
     expected, gradients = static_reference(plan, q, k, v, gates)
-    check_every_shard(rng, static_attention(plan, config=SMALL_TILES), q, k, v, gates, shards(0, 19, 20, 56),
-                      expected, gradients)
+    check_every_shard(rng, static_attention(plan, config=SMALL_TILES, platform=platform), q, k, v, gates,
+                      shards(0, 19, 20, 56), expected, gradients)

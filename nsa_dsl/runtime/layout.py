@@ -152,23 +152,6 @@ def query_rows(query_offset, batch: int, q_len: int, seq_len: int, offsets: jax.
     return QueryRows.of_batch_rows(query_offset, q_len, batch, seq_len)
 
 
-def per_batch_row(entry, query, key, value, scoring_query, **arrays):
-    """`entry` (a generated module's attention or selections) called for each batch row of the
-    query, key, value, scoring_query and every array in `arrays` (pytrees of them, or None), its
-    results concatenated along the batch: for kernels that map query rows to key rows by one
-    shift (the Pallas backend's), which a shard of the queries of several batch rows is not."""
-
-    def row(x, b):
-        return jax.tree.map(lambda array: array[b : b + 1], x)
-
-    results = [
-        entry(query[b : b + 1], key[b : b + 1], value[b : b + 1], scoring_query=row(scoring_query, b),
-              **{name: row(x, b) for name, x in arrays.items()})
-        for b in range(query.shape[0])
-    ]
-    return jax.tree.map(lambda *parts: jnp.concatenate(parts), *results)
-
-
 class Blocks(NamedTuple):
     """The blocks of all sequences, sequence by sequence, padded to a static count: the key
     blocks of the backward kernels and the query tiles of static branches. Blocks count from
