@@ -39,11 +39,11 @@ from conftest import gate, lower_for_cuda, qkv
 from nsa_reference import NsaSpec
 from test_triton_context_parallel import (
     FLOAT16_TOLERANCE,
+    check_batch_row_shards,
+    check_batch_row_tables,
     check_every_shard,
     check_explicit_selection,
     check_nsa_shards,
-    check_batch_row_shards,
-    check_batch_row_tables,
     check_per_block_groups,
     shards,
     static_attention,
