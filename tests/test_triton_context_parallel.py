@@ -278,24 +278,27 @@ def check_explicit_selection(rng, rows: list[slice], platform=PLATFORM):
 # ---- compression and top-k ---------------------------------------------------------------------
 
 
-def test_nsa_on_packed_sequences_straddling_shards(rng):
-    """Compression 8/4 (overlapping, Eq. 9 weights), top-4 of 16-token blocks with the first and
-    the two local blocks forced, window 24; a 6-token sequence too short to compress; rows 85..
-    in no sequence; top-k over candidate chunks of one block (block_k=16)."""
-    source = (
-        f"pattern nsa\nblock {BLOCK}\ncausal\n"
-        "branch cmp = compress(block=8, stride=4) gate g_cmp\n"
-        "branch slc = topk(4, block=16, score=cmp, force=global(first=1) | local(2)) gate g_slc\n"
-        "branch swa = window(24) gate g_swa\n"
-    )
-    spec = NsaSpec(compress_block=8, compress_stride=4, select_count=4, select_block=16, window=24,
+# Compression 8/4 (overlapping, Eq. 9 weights), top-4 of 16-token blocks with the first and the two
+# local blocks forced, window 24.
+NSA_SOURCE = (
+    f"pattern nsa\nblock {BLOCK}\ncausal\n"
+    "branch cmp = compress(block=8, stride=4) gate g_cmp\n"
+    "branch slc = topk(4, block=16, score=cmp, force=global(first=1) | local(2)) gate g_slc\n"
+    "branch swa = window(24) gate g_swa\n"
+)
+NSA_SPEC = NsaSpec(compress_block=8, compress_stride=4, select_count=4, select_block=16, window=24,
                    forced=lambda qb, kb: kb < 1 or qb - 2 < kb <= qb)
+
+
+def test_nsa_on_packed_sequences_straddling_shards(rng):
+    """NSA_SOURCE on packed sequences; a 6-token sequence too short to compress; rows 85.. in no
+    sequence; top-k over candidate chunks of one block (block_k=16)."""
     seq_len, heads_q, heads_kv, head_dim = 96, 2, 1, 12
     cu = np.array([0, 37, 43, 85], np.int32)
     q, k, v = qkv(rng, 1, seq_len, heads_q, heads_kv, head_dim)
     gates = {name: gate(rng, 1, seq_len, heads_q) for name in ("g_cmp", "g_slc", "g_swa")}
     config = NativeSparseAttentionConfig(block_size=BLOCK, block_k=BLOCK)
-    output = check_nsa_shards(rng, source, spec, q, k, v, gates, cu, shards(0, 32, 61, 62, 96), config)
+    output = check_nsa_shards(rng, NSA_SOURCE, NSA_SPEC, q, k, v, gates, cu, shards(0, 32, 61, 62, 96), config)
     assert not output[:, 85:].any(), "rows in no sequence attend to nothing: zeros"
 
 
@@ -323,16 +326,6 @@ def check_per_block_groups(rng, heads_q: int, heads_kv: int, platform=PLATFORM):
 
 
 # ---- several batch rows ------------------------------------------------------------------------
-
-
-NSA_SOURCE = (
-    f"pattern nsa\nblock {BLOCK}\ncausal\n"
-    "branch cmp = compress(block=8, stride=4) gate g_cmp\n"
-    "branch slc = topk(4, block=16, score=cmp, force=global(first=1) | local(2)) gate g_slc\n"
-    "branch swa = window(24) gate g_swa\n"
-)
-NSA_SPEC = NsaSpec(compress_block=8, compress_stride=4, select_count=4, select_block=16, window=24,
-                   forced=lambda qb, kb: kb < 1 or qb - 2 < kb <= qb)
 
 
 def launched_kernels(monkeypatch, platform: str, run) -> list[str]:
