@@ -105,7 +105,8 @@ class SparseAttention:
 
         After writing key rows [first, first + count) of the cache, `compress(key, value,
         cache=cache, new_rows=(first, count))` recomputes only the compressed keys that pool them
-        (first may be traced, count is static): O(count) work, jit- and scan-friendly."""
+        (first may be traced, and may be one per batch row [B]; count is static): O(count) work,
+        jit- and scan-friendly."""
         return compressed_cache.pool(self.plan, key, value, cu_seqlens=cu_seqlens, pool_fns=pool_fns, cache=cache,
                                      new_rows=new_rows)
 
@@ -150,7 +151,8 @@ class SparseAttention:
         new tokens of a decoding step against a key/value cache of T >= query_offset + Tq rows
         (with `causal`, the cache's rows past a query do not change its output; they must be
         finite, as a zero-initialised cache's are: kernels load whole tiles). query_offset: an int or
-        an int32 scalar, may be traced. For a top-k per block(Q) they must be whole blocks of
+        an int32 scalar, or one per batch row (an integer [B] array: sequences decoded at positions
+        of their own, as continuous batching does), may be traced. For a top-k per block(Q) they must be whole blocks of
         the pattern, and on packed sequences `scoring_query` [B, T, HQ, D] every query.
         `compressed`: the keys' compressed cache (see `compress`), for decoding steps."""
         gates = {"g_cmp": g_cmp, "g_slc": g_slc, "g_swa": g_swa, **extra_gates}

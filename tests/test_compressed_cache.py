@@ -107,6 +107,66 @@ def test_decoding_with_a_compressed_cache_against_the_paper_reference(rng, platf
     check_decoding(rng, platform, batch=2, seq_len=75, positions=(3, 15, 16, 40, 74))
 
 
+@pytest.mark.parametrize("platform", ["xla", "triton", "pallas"])
+def test_decoding_sequences_at_positions_of_their_own(rng, platform):
+    """Continuous batching: three sequences of a cache of 75 rows decode at positions of their
+    own (query_offset and new_rows one per batch row, traced; one program for every step), from
+    rows before the first compressed key is complete to the last row; each row's output and
+    selection are the paper reference's at its position, and the kept cache is the one built
+    from the rows each sequence has written."""
+    source, spec = small_example("nsa")
+    attention = nsa_dsl.compile(source)
+    batch, seq_len, heads_q, heads_kv, head_dim = 3, 75, 4, 2, 16
+    q, k, v = qkv(rng, batch, seq_len, heads_q, heads_kv, head_dim)
+    gates = {name: gate(rng, batch, seq_len, heads_q) for name in NAMES}
+    first = np.array([2, 30, 61])  # each sequence's position at the first step: its prompt's length
+    steps = 14
+    written = np.arange(seq_len)[None, :, None, None] < first[:, None, None, None]
+    k_cache, v_cache = (jnp.asarray(np.where(written, x, rng.standard_normal(x.shape).astype(x.dtype))) for x in (k, v))
+    cache = attention.compress(k_cache, v_cache)
+
+    @jax.jit
+    def step(k_cache, v_cache, cache, t):
+        def row(x, t):
+            return jax.lax.dynamic_slice_in_dim(x, t, 1, 0)
+
+        k_cache, v_cache = (jax.vmap(lambda c, x, t: jax.lax.dynamic_update_slice_in_dim(c, row(x, t), t, 0))(c, x, t)
+                            for c, x in ((k_cache, k), (v_cache, v)))
+        cache = attention.compress(k_cache, v_cache, cache=cache, new_rows=(t, 1))
+        q_t = jax.vmap(row)(q, t)
+        gates_t = {f"g_{n}": jax.vmap(row)(g, t) for n, g in gates.items()}
+        out = attention(q_t, k_cache, v_cache, query_offset=t, compressed=cache, platform=platform, **gates_t)
+        chosen = attention.selections(q_t, k_cache, v_cache, query_offset=t, compressed=cache, platform=platform)
+        return k_cache, v_cache, cache, out, chosen["slc"]
+
+    _, _, ref_chosen, scores = nsa_reference(q, k, v, spec, gates=gates)
+    outputs, selections = [], []
+    for s in range(steps):
+        k_cache, v_cache, cache, out, chosen = step(k_cache, v_cache, cache, jnp.asarray(first + s, jnp.int32))
+        outputs.append(np.asarray(out)[:, 0])
+        selections.append(np.asarray(chosen)[:, 0])
+    assert step._cache_size() == 1, "one program for every step"
+
+    rows = np.arange(batch)
+    positions = first[:, None] + np.arange(steps)[None, :]  # [batch, steps]
+    selected = ref_chosen.copy()
+    for s in range(steps):
+        at = (rows, positions[:, s])
+        np.testing.assert_allclose(chosen_scores(scores[at][:, None], selections[s][:, None]),
+                                   chosen_scores(scores[at][:, None], ref_chosen[at][:, None]),
+                                   rtol=1e-4, atol=1e-6, err_msg=f"step {s}")
+        selected[at] = selections[s]
+    expected, _, _, _ = nsa_reference(q, k, v, spec, gates=gates, selected=selected)
+    for s in range(steps):
+        assert_close(np.stack(outputs)[s], expected[rows, positions[:, s]], FORWARD_TOLERANCE, f"{platform}, step {s}")
+
+    kept = np.arange(seq_len)[None, :, None, None] < positions[:, -1:, None, None] + 1
+    built = attention.compress(jnp.where(kept, k, k_cache), jnp.where(kept, v, v_cache))
+    for name in built:
+        for part, whole in zip(cache[name], built[name]):
+            np.testing.assert_allclose(np.asarray(part), np.asarray(whole), rtol=1e-6, atol=1e-6)
+
+
 def test_triton_decoding_splits_the_walks_over_keys(rng):
     """A decoding step's few programs split the compression's and the top-k's walks over a long
     sequence's keys into shares (600 tokens, 16 keys a step: 2 shares of the compression's 151
@@ -266,7 +326,12 @@ def test_bad_compressed_caches_are_refused(rng):
         ({"cache": cache, "new_rows": 3}, r"new_rows must be a pair \(first, count\) of key rows, got 3"),
         ({"cache": cache, "new_rows": (3, jnp.int32(1))}, "new_rows: count must be an int between 1 and seq_len=40"),
         ({"cache": cache, "new_rows": (38, 3)}, "new_rows: first must be between 0 and seq_len - count = 37, got 38"),
-        ({"cache": cache, "new_rows": (1.5, 1)}, "new_rows: first must be an int or an integer scalar array, got 1.5"),
+        ({"cache": cache, "new_rows": (1.5, 1)}, "new_rows: first must be an int or an integer scalar array, or an "
+                                                 r"integer \[2\] array \(one per batch row\), got 1.5"),
+        ({"cache": cache, "new_rows": (np.array([3, 38]), 3)},
+         r"new_rows: first must be between 0 and seq_len - count = 37, got \[3, 38\]"),
+        ({"cache": cache, "new_rows": (np.zeros(3, np.int32), 1)},
+         r"new_rows: first: one row per batch row must have shape \(2,\), got \(3,\)"),
         ({"cache": {"cmp": cache["cmp"][0]}, "new_rows": (0, 1)}, r"compressed\['cmp'\] must be a pair"),
     ):
         with pytest.raises(ValueError, match=message):

@@ -457,7 +457,9 @@ def test_query_offset_is_validated(rng):
         (1, 64, r"between 0 and seq_len - query rows = 63, got 64"),
         (32, -16, r"got -16"),
         (32, True, r"query_offset must be an int or an integer scalar array"),
-        (32, np.zeros(2, np.int32), r"query_offset must be an int or an integer scalar array"),
+        (32, np.zeros(2, np.int32), r"query_offset: one row per batch row must have shape \(1,\), got \(2,\)"),
+        (32, np.array([40]), r"query_offset must be between 0 and seq_len - query rows = 32, got \[40\]"),
+        (32, np.zeros(1, np.float32), r"query_offset must be an int or an integer scalar array, or an integer \[1\]"),
     ):
         with pytest.raises(ValueError, match=message):
             call(q[:, :rows], offset)

@@ -62,8 +62,8 @@ def pool(
 
     With `cache` (an earlier result for keys of the same shapes) and `new_rows` = (first, count),
     the key rows [first, first + count) of every batch row having been written since (first an
-    int or integer scalar, may be traced; count a static int): `cache` with only the compressed
-    keys that pool those rows recomputed, O(count) work instead of O(T)."""
+    int or integer scalar, or one per batch row [B], may be traced; count a static int): `cache`
+    with only the compressed keys that pool those rows recomputed, O(count) work instead of O(T)."""
     branches = {b.name: b for b in plan.branches if isinstance(b, p.CompressBranch)}
     if not branches:
         raise ValueError(f"pattern {plan.name!r} has no compress branch: it has no compressed keys to keep")
@@ -83,14 +83,15 @@ def pool(
         rows = layout.compressed_rows(shapes.seq_len, num_seqs, branch.stride)
 
         def pooled_into(arrays, start, length, branch=branch, pool_fn=functions.get(branch.name)):
-            """`arrays` with rows [start, start + length) of every batch row's compressed keys pooled anew."""
-            def pooled(k, v):
+            """`arrays` with rows [start, start + length) of every batch row's compressed keys
+            pooled anew (start: one for every batch row, or one per batch row [B])."""
+            def pooled(k, v, old_k, old_v, start):
                 window = layout.pool_compressed(k, v, offsets, branch.block, branch.stride, pool_fn, jnp.float32,
                                                 (start, length))
-                return window.k, window.v
+                return tuple(jax.lax.dynamic_update_slice_in_dim(old, new, start, axis=0)
+                             for old, new in ((old_k, window.k), (old_v, window.v)))
 
-            return tuple(jax.lax.dynamic_update_slice_in_dim(old, new, start, axis=1)
-                         for old, new in zip(arrays, jax.vmap(pooled)(key, value)))
+            return jax.vmap(pooled)(key, value, *arrays, jnp.broadcast_to(start, (shapes.batch,)))
 
         if cache is None:  # every row, a window of at most POOL_BYTES of gathered blocks at a time
             block_bytes = 2 * shapes.batch * branch.block * shapes.heads_kv * shapes.head_dim * 4

@@ -122,7 +122,7 @@ class QueryRows(NamedTuple):
     @classmethod
     def of_batch_rows(cls, first, count: int, batch: int, seq_len: int) -> QueryRows:
         """Rows [first, first + count) of each of `batch` rows of seq_len keys, batch row after
-        batch row."""
+        batch row (first: a scalar, or one per batch row [batch])."""
         first = jnp.asarray(first, jnp.int32)
         row = jnp.arange(batch, dtype=jnp.int32)
         low = row * seq_len + first
@@ -146,9 +146,10 @@ class QueryRows(NamedTuple):
 
 def query_rows(query_offset, batch: int, q_len: int, seq_len: int, offsets: jax.Array) -> QueryRows:
     """The key rows of a call's queries [B, Tq] against keys [B, T]: rows [query_offset,
-    query_offset + Tq) of every batch row (of the packed rows with cu_seqlens, where B is 1)."""
+    query_offset + Tq) of every batch row (of the packed rows with cu_seqlens, where B is 1);
+    query_offset a scalar, or one per batch row [B]."""
     if batch == 1:
-        return QueryRows.shard(query_offset, q_len, offsets.shape[0] - 1)
+        return QueryRows.shard(jnp.asarray(query_offset, jnp.int32).reshape(()), q_len, offsets.shape[0] - 1)
     return QueryRows.of_batch_rows(query_offset, q_len, batch, seq_len)
 
 

@@ -95,13 +95,26 @@ def attention_inputs(
     return query, key, value, Shapes(batch, key.shape[1], heads_q, heads_kv, head_dim, query_len)
 
 
-def _key_row(name: str, value: object) -> int | jax.Array:
-    """A row of the keys' sequence axis: an int, or an int32 scalar array when traced."""
-    scalar = np.ndim(value) == 0 and jnp.issubdtype(getattr(value, "dtype", type(value)), jnp.integer)
-    if isinstance(value, (bool, np.bool_)) or not scalar:
-        raise ValueError(f"{name} must be an int or an integer scalar array, got {value!r}")
+def _key_row(name: str, value: object, batch: int | None = None) -> int | jax.Array:
+    """A row of the keys' sequence axis: an int, or an int32 scalar array when traced. With
+    `batch`, also one row per batch row: an integer [batch] array (int32; may be traced)."""
+    integer = jnp.issubdtype(getattr(value, "dtype", type(value)), jnp.integer)
+    if batch is not None and np.ndim(value) == 1 and integer:
+        if np.shape(value) != (batch,):
+            raise ValueError(f"{name}: one row per batch row must have shape ({batch},), got {np.shape(value)}")
+        return _index_array(name, value)
+    if isinstance(value, (bool, np.bool_)) or not (np.ndim(value) == 0 and integer):
+        per_row = f", or an integer [{batch}] array (one per batch row)" if batch is not None else ""
+        raise ValueError(f"{name} must be an int or an integer scalar array{per_row}, got {value!r}")
     row = _index_array(name, value) if isinstance(value, jax.Array) else int(value)
     return int(row) if _is_concrete(row) else row
+
+
+def _known_rows(row: int | jax.Array) -> np.ndarray | None:
+    """The values of a _key_row result, where they are known (not traced)."""
+    if isinstance(row, int):
+        return np.array([row])
+    return np.asarray(row) if _is_concrete(row) else None
 
 
 def key_value_inputs(key: object, value: object) -> tuple[jax.Array, jax.Array, Shapes]:
@@ -168,16 +181,19 @@ def compressed_cache(value: object, strides: Mapping[str, int], shapes: Shapes, 
 
 def new_rows(value: object, shapes: Shapes) -> tuple[int | jax.Array, int]:
     """(first, count): key rows [first, first + count) written since a compressed cache was made,
-    first an int or integer scalar (may be traced), count an int >= 1 (a static shape)."""
+    first an int or integer scalar, or one per batch row (an integer [batch] array; may be
+    traced), count an int >= 1 (a static shape)."""
     if not isinstance(value, (tuple, list)) or len(value) != 2:
         raise ValueError(f"new_rows must be a pair (first, count) of key rows, got {value!r}")
     first, count = value
     if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or not 1 <= count <= shapes.seq_len:
         raise ValueError(f"new_rows: count must be an int between 1 and seq_len={shapes.seq_len}, got {count!r}")
-    first = _key_row("new_rows: first", first)
-    if isinstance(first, int) and not 0 <= first <= shapes.seq_len - count:
+    first = _key_row("new_rows: first", first, shapes.batch)
+    known = _known_rows(first)
+    if known is not None and not ((known >= 0) & (known <= shapes.seq_len - count)).all():
         raise ValueError(
-            f"new_rows: first must be between 0 and seq_len - count = {shapes.seq_len - count}, got {first}"
+            f"new_rows: first must be between 0 and seq_len - count = {shapes.seq_len - count}, "
+            f"got {known.tolist() if np.ndim(first) else first}"
         )
     return first, int(count)
 
@@ -185,21 +201,23 @@ def new_rows(value: object, shapes: Shapes) -> tuple[int | jax.Array, int]:
 def query_offset(value: object, shapes: Shapes, whole_blocks: int | None = None) -> int | jax.Array:
     """The key row of the first query (the queries are rows [offset, offset + query_len) of the
     keys' sequence axis: a shard for context parallelism, new tokens against a key/value cache when
-    decoding), an int or an int32 scalar that may be traced. Any rows, unless `whole_blocks` is
-    given (a pattern whose top-k scores per block(Q) of queries): then a shard must start and end
-    on a multiple of it."""
-    offset = _key_row("query_offset", value)
+    decoding), an int or an int32 scalar, or one per batch row (an integer [batch] array: sequences
+    decoded at positions of their own), any of them traced or not. Any rows, unless `whole_blocks`
+    is given (a pattern whose top-k scores per block(Q) of queries): then a shard must start and
+    end on a multiple of it."""
+    offset = _key_row("query_offset", value, shapes.batch)
     block = whole_blocks or 1
     if shapes.query_len < shapes.seq_len and shapes.query_len % block:
         raise ValueError(
             f"query: a shard of the sequence axis ({shapes.query_len} of key's {shapes.seq_len} rows) must hold "
             f"a multiple of the pattern's block ({block}) rows, as its top-k scores whole groups of queries"
         )
-    if isinstance(offset, int) and (offset < 0 or offset % block or offset + shapes.query_len > shapes.seq_len):
+    known = _known_rows(offset)
+    if known is not None and ((known < 0) | (known % block != 0) | (known + shapes.query_len > shapes.seq_len)).any():
         multiple = f"a multiple of the pattern's block ({block}) " if block > 1 else ""
         raise ValueError(
             f"query_offset must be {multiple}between 0 and seq_len - query rows = "
-            f"{shapes.seq_len - shapes.query_len}, got {offset}"
+            f"{shapes.seq_len - shapes.query_len}, got {known.tolist() if np.ndim(offset) else offset}"
         )
     return offset
 

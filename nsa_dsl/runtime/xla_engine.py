@@ -77,7 +77,8 @@ def schedule(keys_for, *, items, rows, heads_q, heads_kv, head_dim, steps, block
 class Frame(NamedTuple):
     """Where the query rows lie among the key rows: batch row b's queries are its keys
     [offset, offset + q_len) -- all of them, unless the queries are one shard of the sequence
-    axis (offset may be traced). Query tiles are `rows` consecutive positions of one sequence
+    axis (offset may be traced, and may be one per batch row [batch]: sequences decoded at
+    positions of their own). Query tiles are `rows` consecutive positions of one sequence
     within one query block of `block` (the pattern's: block tables have a row per block)."""
 
     offset: jax.Array | int
@@ -99,18 +100,27 @@ class Frame(NamedTuple):
             return self.block
         return min(d for d in range(self.q_len, self.block + 1) if self.block % d == 0)
 
+    def offset_of(self, batch_rows):
+        """The offset of each of `batch_rows` (clamped into the batch)."""
+        if jnp.ndim(self.offset) == 0:
+            return self.offset
+        return jnp.asarray(self.offset)[jnp.clip(batch_rows, 0, self.batch - 1)]
+
     def key_rows(self):
         """[batch * q_len]: each query row's row in the flattened keys."""
         row = jnp.arange(self.batch * self.q_len)
-        return row // self.q_len * self.k_len + row % self.q_len + self.offset
+        batch_row = row // self.q_len
+        return batch_row * self.k_len + row % self.q_len + self.offset_of(batch_row)
 
     def query_rows(self, key_rows):
         """The query row at each of `key_rows` (out of range where the key row has none)."""
-        return key_rows // self.k_len * self.q_len + key_rows % self.k_len - self.offset
+        batch_row = key_rows // self.k_len
+        return batch_row * self.q_len + key_rows % self.k_len - self.offset_of(batch_row)
 
     def query_span(self, first_rows):
         """[first, end) key rows of the queries of the batch rows that hold `first_rows`."""
-        first = jnp.minimum(first_rows // self.k_len, self.batch - 1) * self.k_len + self.offset
+        batch_row = jnp.minimum(first_rows // self.k_len, self.batch - 1)
+        first = batch_row * self.k_len + self.offset_of(batch_row)
         return first, first + self.q_len
 
     def whole(self) -> Frame:
