@@ -3,7 +3,7 @@ attention, on one GPU.
 
     PYTHONPATH=. python benchmarks/bench_decode.py [--pattern examples/nsa.nsa] [--lengths 8192,32768,65536,131072]
         [--batches 1,8] [--impls ours-triton,ours-triton-pooling,ours-pallas,ours-xla,cudnn,xla-dense] [--breakdown]
-        [--out DIR]
+        [--positions last|spread] [--out DIR]
     python benchmarks/bench_decode.py --dry-run     # CPU, tiny shapes: proves the harness
 
 A step is what a serving loop runs for each new token once its key and value rows are in the cache
@@ -13,7 +13,10 @@ of the new query (query_offset=T - 1, compressed=cache), jitted together, the ca
 threaded from step to step as a serving loop would; `ours-triton-pooling` is
 the same call without the compressed cache, pooling all T keys every step. Dense attention, the
 baseline: the new query against all T rows (jax.nn.dot_product_attention, cuDNN and XLA), with the
-pattern's gates off (only the attention itself). Every step reads the whole selection a real model
+pattern's gates off (only the attention itself). `--positions spread`: the sequences decode at
+positions of their own, as continuous batching serves them (sequence b at row T - 1 - b * T // (2B):
+query_offset and new_rows one per sequence), and dense attention reads each sequence's rows up to
+its position (key_value_seq_lengths). Every step reads the whole selection a real model
 makes: random inputs, the pattern's own top-k.
 
 Prints a table (median ms per step, timing.py's method; ratio dense cuDNN / row: above 1, faster
@@ -57,6 +60,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--out", default=os.environ.get("OUT") or ".")
     parser.add_argument("--breakdown", action="store_true", help="also time the parts of ours-triton's step")
+    parser.add_argument("--positions", choices=("last", "spread"), default="last",
+                        help="every sequence at row T - 1, or each at a position of its own")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, ours-xla and xla-dense")
     args = parser.parse_args()
 
@@ -78,8 +83,9 @@ def main() -> None:
     attention = nsa_dsl.compile(args.pattern)
     gate_names = sorted({g.name for g in attention.plan.gates})
     hq, hkv, d = args.heads_q, args.heads_kv, args.head_dim
+    where = "row T - 1" if args.positions == "last" else "rows T - 1 - b * T // (2B) (sequence b)"
     settings = (f"pattern {attention.plan.name} ({args.pattern}), HQ={hq} HKV={hkv} D={d} {dtype.name}, one new query "
-                f"per sequence at row T - 1 of a T-row cache, gates {gate_names} random; "
+                f"per sequence at {where} of a T-row cache, gates {gate_names} random; "
                 f"device {jax.devices()[0].device_kind}, "
                 f"jax {jax.__version__}")
     print(f"bench_decode: {settings}", flush=True)
@@ -97,9 +103,14 @@ def main() -> None:
             k_cache = jax.random.normal(keys[1], (batch, seq_len, hkv, d), dtype)
             v_cache = jax.random.normal(keys[2], (batch, seq_len, hkv, d), dtype)
             gates = {n: jnp.asarray(rng.uniform(size=(batch, 1, hq)), dtype) for n in gate_names}
-            position = jnp.int32(seq_len - 1)
+            if args.positions == "last":
+                position, lengths_read = jnp.int32(seq_len - 1), {}
+            else:
+                position = jnp.asarray(seq_len - 1 - np.arange(batch) * (seq_len // (2 * batch)), jnp.int32)
+                lengths_read = {"key_value_seq_lengths": position + 1}
             cache = attention.compress(k_cache, v_cache)
-            kv_bytes = 2 * batch * seq_len * hkv * d * dtype.itemsize
+            rows_read = int(np.sum(np.broadcast_to(np.asarray(position) + 1, (batch,))))  # dense: up to each position
+            kv_bytes = 2 * rows_read * hkv * d * dtype.itemsize
             print(f"\n== T={seq_len} B={batch}: dense attention reads {kv_bytes / 1e6:.0f} MB of K/V a step ==",
                   flush=True)
             print(f"{'implementation':28s} {'ms/step':>9s} {'x dense':>8s} {'first s':>8s} {'max|d| vs xla':>14s}")
@@ -142,9 +153,9 @@ def main() -> None:
                 "ours-pallas": lambda: nsa_step("pallas", True),
                 "ours-xla": lambda: nsa_step("xla", True),
                 "cudnn": lambda: reading(lambda q, kc, vc, c, t: jax.nn.dot_product_attention(
-                    q, kc, vc, implementation="cudnn")),
+                    q, kc, vc, implementation="cudnn", **lengths_read)),
                 "xla-dense": lambda: reading(lambda q, kc, vc, c, t: jax.nn.dot_product_attention(
-                    q, kc, vc, implementation="xla")),
+                    q, kc, vc, implementation="xla", **lengths_read)),
                 **{f"part: {name}": (lambda name=name: part(name)) for name in PARTS},
             }
             outputs, dense_ms = {}, None
