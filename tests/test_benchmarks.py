@@ -1,0 +1,47 @@
+"""The benchmark harnesses run: each GPU benchmark's --dry-run (tiny shapes on the CPU, nsa_dsl's
+XLA platform) completes and measures every nsa_dsl row, so that a change to the library cannot
+leave a benchmark broken until the next session on the GPU. Timings are not checked: these are
+not benchmarks. Peers absent here (FLA, ejkernel, FlexAttention) are error rows by design."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def dry_run(script: str, out: Path, *options: str) -> dict:
+    """Run benchmarks/<script> --dry-run writing into `out`; its JSON."""
+    command = [sys.executable, str(BENCHMARKS / script), "--dry-run", "--out", str(out), *options]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    return json.loads((out / script.replace(".py", ".json")).read_text())
+
+
+@pytest.mark.parametrize("positions", ["last", "spread"])
+def test_bench_decode_times_every_row(tmp_path, positions):
+    """Decoding steps of 1 and 2 sequences: nsa_dsl's and dense attention's rows all timed."""
+    rows = dry_run("bench_decode.py", tmp_path, "--positions", positions)["rows"]
+    assert {(row["impl"], row["batch"]) for row in rows} == {
+        (impl, batch) for impl in ("ours-xla", "xla-dense") for batch in (1, 2)}
+    for row in rows:
+        assert "error" not in row and row["ms"] > 0, row
+
+
+def test_bench_gpu_times_every_nsa_dsl_row(tmp_path):
+    """Every case (selection, NSA, window, causal) at both dry-run lengths: nsa_dsl's forward and
+    forward+backward timed, its cold start measured, the run complete."""
+    result = dry_run("bench_gpu.py", tmp_path)
+    assert result["status"] == "complete"
+    ours = [row for row in result["rows"] if row["impl"] == "ours-xla"]
+    assert {(row["case"], row["seq_len"]) for row in ours} == {
+        (case, length) for case in ("selection", "nsa", "window", "causal") for length in (128, 256)}
+    for row in ours:
+        for mode in ("fwd", "fwdbwd"):
+            assert row[mode].get("ms", 0) > 0, (row["case"], row["seq_len"], mode, row[mode])
+    assert result["coldstart"] and all(entry["warm_s"] > 0 for entry in result["coldstart"])
