@@ -3,13 +3,14 @@ attention, on one GPU.
 
     PYTHONPATH=. python benchmarks/bench_decode.py [--pattern examples/nsa.nsa] [--lengths 8192,32768,65536,131072]
         [--batches 1,8] [--impls ours-triton,ours-triton-pooling,ours-pallas,ours-xla,cudnn,xla-dense] [--breakdown]
-        [--positions last|spread] [--out DIR]
+        [--positions last|spread] [--xla-default-graphs] [--out DIR]
     python benchmarks/bench_decode.py --dry-run     # CPU, tiny shapes: proves the harness
 
 A step is what a serving loop runs for each new token once its key and value rows are in the cache
 (B sequences, each at its last row T - 1, T rows of cache): for nsa_dsl, the compressed cache's
 update for that row (SparseAttention.compress(..., cache=, new_rows=(T - 1, 1))) and the attention
-of the new query (query_offset=T - 1, compressed=cache), jitted together, the cache donated and
+of the new query (query_offset=T - 1, compressed=cache), jitted together (with
+nsa_dsl.DECODE_COMPILER_OPTIONS, as every row here unless --xla-default-graphs), the cache donated and
 threaded from step to step as a serving loop would; `ours-triton-pooling` is
 the same call without the compressed cache, pooling all T keys every step. Dense attention, the
 baseline: the new query against all T rows (jax.nn.dot_product_attention, cuDNN and XLA), with the
@@ -62,6 +63,8 @@ def main() -> None:
     parser.add_argument("--breakdown", action="store_true", help="also time the parts of ours-triton's step")
     parser.add_argument("--positions", choices=("last", "spread"), default="last",
                         help="every sequence at row T - 1, or each at a position of its own")
+    parser.add_argument("--xla-default-graphs", action="store_true",
+                        help="compile every step with XLA's default options, not nsa_dsl.DECODE_COMPILER_OPTIONS")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, ours-xla and xla-dense")
     args = parser.parse_args()
 
@@ -80,12 +83,14 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown --impls {unknown}; choose from {IMPLS}")
     dtype = jnp.dtype(args.dtype)
+    compiler_options = None if args.xla_default_graphs else nsa_dsl.DECODE_COMPILER_OPTIONS
     attention = nsa_dsl.compile(args.pattern)
     gate_names = sorted({g.name for g in attention.plan.gates})
     hq, hkv, d = args.heads_q, args.heads_kv, args.head_dim
     where = "row T - 1" if args.positions == "last" else "rows T - 1 - b * T // (2B) (sequence b)"
     settings = (f"pattern {attention.plan.name} ({args.pattern}), HQ={hq} HKV={hkv} D={d} {dtype.name}, one new query "
                 f"per sequence at {where} of a T-row cache, gates {gate_names} random; "
+                f"compiler options {compiler_options or 'XLA defaults'} (every row), "
                 f"device {jax.devices()[0].device_kind}, "
                 f"jax {jax.__version__}")
     print(f"bench_decode: {settings}", flush=True)
@@ -119,10 +124,10 @@ def main() -> None:
             # that update the cache get it donated and hand the new one to the next call, as a serving
             # loop does (without donation each step would copy the whole compressed cache).
             def updating(step):
-                return jax.jit(step, donate_argnums=(3,)), True
+                return jax.jit(step, donate_argnums=(3,), compiler_options=compiler_options), True
 
             def reading(step):
-                return jax.jit(lambda q, kc, vc, c, t: (step(q, kc, vc, c, t), c)), False
+                return jax.jit(lambda q, kc, vc, c, t: (step(q, kc, vc, c, t), c), compiler_options=compiler_options), False
 
             def nsa_step(platform, compressed):
                 if not compressed:

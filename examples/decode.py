@@ -67,7 +67,7 @@ def main() -> None:
     attention(q[:, longest], k_cache, v_cache, query_offset=0, compressed=compressed, platform=args.platform,
               **{name: g[:, longest] for name, g in gates.items()})
 
-    @partial(jax.jit, donate_argnums=(0, 1, 2))
+    @partial(jax.jit, donate_argnums=(0, 1, 2), compiler_options=nsa_dsl.DECODE_COMPILER_OPTIONS)
     def step(k_cache, v_cache, compressed, q_new, k_new, v_new, gates_new, positions):
         """One token of every sequence, sequence b's at row positions[b]: write its key and value
         rows, update the compressed keys, attend its query."""

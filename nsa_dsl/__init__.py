@@ -9,7 +9,7 @@
 """
 
 from ._version import __version__
-from .api import SparseAttention, compile, native_sparse_attention
+from .api import DECODE_COMPILER_OPTIONS, SparseAttention, compile, native_sparse_attention
 from .autotune import AutotuneWarning
 from .codegen import UnsafeTemplateValue
 from .config import NativeSparseAttentionConfig
@@ -19,6 +19,7 @@ from .runtime.platform import PlatformLimitError
 
 __all__ = [
     "AutotuneWarning",
+    "DECODE_COMPILER_OPTIONS",
     "Invocation",
     "Kernel",
     "NativeSparseAttention",

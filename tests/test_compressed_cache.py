@@ -100,6 +100,25 @@ def check_decoding(rng, platform, *, batch, seq_len, positions, cu_seqlens=None,
         assert_close(outputs[t], expected[:, t : t + 1], FORWARD_TOLERANCE, f"{platform}, row {t}")
 
 
+@pytest.mark.parametrize("platform", ["xla", "triton"])
+def test_a_half_precision_cache_holds_what_a_call_pools(rng, platform):
+    """Keys in float16: the cache is float16 (half the bytes a step reads), and a decoding step of
+    three sequences at positions of their own reading it in place outputs exactly what the same
+    call outputs pooling the keys itself, which rounds the pooled keys to float16 too."""
+    source, _ = small_example("nsa")
+    attention = nsa_dsl.compile(source)
+    q, k, v = (x.astype(np.float16) for x in qkv(rng, 3, 75, 4, 2, 16))
+    gates = {f"g_{name}": gate(rng, 3, 1, 4).astype(np.float16) for name in NAMES}
+    cache = attention.compress(k, v)
+    assert all(x.dtype == jnp.float16 for pair in cache.values() for x in pair)
+    positions = jnp.asarray([74, 40, 16], jnp.int32)
+    q_new = jnp.take_along_axis(jnp.asarray(q), positions[:, None, None, None], axis=1)
+    cached = attention(q_new, k, v, query_offset=positions, compressed=cache, platform=platform, **gates)
+    pooled = attention(q_new, k, v, query_offset=positions, platform=platform, **gates)
+    assert np.abs(np.asarray(pooled, np.float32)).max() > 0
+    np.testing.assert_array_equal(np.asarray(cached), np.asarray(pooled))
+
+
 @pytest.mark.parametrize("platform", ["xla", "triton", "pallas"])
 def test_decoding_with_a_compressed_cache_against_the_paper_reference(rng, platform):
     """Two batch rows of 75 tokens (not a whole number of blocks); rows before the first

@@ -32,6 +32,18 @@ def test_rows_of_packed_sequences():
             assert (rows.start[row], rows.end[row], rows.pos[row]) == (start, end, row - start)
 
 
+@pytest.mark.parametrize("queries, offsets, keys", [
+    (layout.QueryRows.shard(23, 30, 3), CU_SEQLENS, TOTAL),  # a shard across sequence edges
+    (layout.QueryRows.of_batch_rows(np.array([5, 0, 18]), 2, 3, 20), [0, 20, 40, 60], 60),  # a decoding step
+])
+def test_rows_of_query_rows_are_their_key_rows_rows(queries, offsets, keys):
+    """QueryRows.rows computes the Rows of the query rows alone: those of their key rows."""
+    every = layout.rows(np.array(offsets, np.int32), keys)
+    own = queries.rows(np.array(offsets, np.int32))
+    for got, want in zip(own, every):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want)[np.asarray(queries.key_rows)])
+
+
 def test_key_blocks_never_cross_a_sequence():
     offsets = layout.sequence_offsets(np.array(CU_SEQLENS), 1, TOTAL)
     blocks = layout.sequence_blocks(offsets, TOTAL, BLOCK)

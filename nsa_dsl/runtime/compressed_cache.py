@@ -8,11 +8,13 @@ that pool them (`new_rows`), and calls take them as `compressed=`. A step then r
 compressed keys, the selected blocks and the window: what Native Sparse Attention's decoding
 was designed to read.
 
-Layout: {compress branch name: (k_cmp, v_cmp)}, each float32 [B, R, HKV, D] holding its batch
-row's layout.pool_compressed rows (R = T // stride + the number of sequences of the row: 1, or
-N packed ones). Float32, so that calls cast them as they cast the keys they pool
-themselves: a call given the cache computes what it would without it (up to the order XLA
-sums a mean in).
+Layout: {compress branch name: (k_cmp, v_cmp)}, each [B, R, HKV, D] in the keys' dtype, holding
+its batch row's layout.pool_compressed rows (R = T // stride + the number of sequences of the row:
+1, or N packed ones). Every backend pools in float32 and rounds the pooled keys to the keys' dtype
+before attending to them, so a cache in that dtype holds exactly what a call would pool: a call
+given the cache computes what it would without it (up to the order XLA sums a mean in), and a
+decoding step reads half the bytes of a float32 cache (at a million tokens the cache is most of
+what a step reads). Kernels read the B rows' arrays in place (layout.cached_compressed).
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ def pool(
     if (cache is None) != (new_rows is None):
         raise ValueError("cache and new_rows go together: pass both to update a compressed cache, neither to build one")
     if cache is not None:
-        cache = validate.compressed_cache(cache, strides(plan), shapes, num_seqs)
+        cache = validate.compressed_cache(cache, strides(plan), shapes, num_seqs, key.dtype)
         first, count = validate.new_rows(new_rows, shapes)
 
     result = {}
@@ -86,7 +88,7 @@ def pool(
             """`arrays` with rows [start, start + length) of every batch row's compressed keys
             pooled anew (start: one for every batch row, or one per batch row [B])."""
             def pooled(k, v, old_k, old_v, start):
-                window = layout.pool_compressed(k, v, offsets, branch.block, branch.stride, pool_fn, jnp.float32,
+                window = layout.pool_compressed(k, v, offsets, branch.block, branch.stride, pool_fn, k.dtype,
                                                 (start, length))
                 return tuple(jax.lax.dynamic_update_slice_in_dim(old, new, start, axis=0)
                              for old, new in ((old_k, window.k), (old_v, window.v)))
@@ -96,7 +98,7 @@ def pool(
         if cache is None:  # every row, a window of at most POOL_BYTES of gathered blocks at a time
             block_bytes = 2 * shapes.batch * branch.block * shapes.heads_kv * shapes.head_dim * 4
             length = min(rows, max(POOL_BYTES // block_bytes, 1))
-            empty = tuple(jnp.zeros((shapes.batch, rows, shapes.heads_kv, shapes.head_dim), jnp.float32) for _ in "kv")
+            empty = tuple(jnp.zeros((shapes.batch, rows, shapes.heads_kv, shapes.head_dim), key.dtype) for _ in "kv")
 
             def window(i, arrays, rows=rows, length=length, pooled_into=pooled_into):
                 return pooled_into(arrays, jnp.minimum(i * length, rows - length), length)

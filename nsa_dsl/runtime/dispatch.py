@@ -160,7 +160,7 @@ def selections(
     cu = validate.cu_seqlens(cu_seqlens, shapes)
     shard = _query_shard(plan, query, query_offset, scoring_query, shapes, cu)
     scale = validate.softmax_scale(softmax_scale, shapes)
-    cached = _compressed(plan, compressed, shapes, cu)
+    cached = _compressed(plan, compressed, shapes, cu, key.dtype)
     return run_on_platform(
         plan, platform, config, bool(shard),
         lambda chosen: entry(chosen, plan, config, "selections", pool_fns, pools=not cached)(
@@ -170,12 +170,14 @@ def selections(
     )
 
 
-def _compressed(plan: p.Plan, compressed, shapes: validate.Shapes, cu) -> dict:
-    """The kernel's compressed argument: none, or the caller's compressed cache, validated."""
+def _compressed(plan: p.Plan, compressed, shapes: validate.Shapes, cu, dtype) -> dict:
+    """The kernel's compressed argument: none, or the caller's compressed cache of keys of
+    `dtype`, validated."""
     if compressed is None:
         return {}
     num_seqs = 1 if cu is None else cu.shape[0] - 1
-    return {"compressed": validate.compressed_cache(compressed, compressed_cache.strides(plan), shapes, num_seqs)}
+    return {"compressed": validate.compressed_cache(compressed, compressed_cache.strides(plan), shapes, num_seqs,
+                                                    dtype)}
 
 
 def grouped_topk(plan: p.Plan) -> str | None:
@@ -328,7 +330,7 @@ def attend(
         query_shard=query_offset is not None,
     )
     shard = _query_shard(plan, given.query, query_offset, scoring_query, given.shapes, given.cu_seqlens)
-    cached = _compressed(plan, compressed, given.shapes, given.cu_seqlens)
+    cached = _compressed(plan, compressed, given.shapes, given.cu_seqlens, given.key.dtype)
     return run_on_platform(
         plan, platform, config, bool(shard),
         lambda chosen: entry(chosen, plan, config, "attention", pool_fns, pools=not cached)(

@@ -87,9 +87,22 @@ def sequence_offsets(cu_seqlens, batch: int, seq_len: int) -> jax.Array:
     return jnp.asarray(cu_seqlens, jnp.int32)
 
 
+def search_sorted(sorted_values: jax.Array, x: jax.Array, side: str) -> jax.Array:
+    """jnp.searchsorted(sorted_values, x, side) in straight-line code. Its default method is a
+    while loop, which XLA runs on a GPU as one kernel launch (and a loop-condition check) per
+    halving of `sorted_values`: 4 to search the offsets of 8 sequences, and in a decoding step of
+    8 sequences these loops were 20 of its 53 kernels (ncu, H200, session 19)."""
+    return jnp.searchsorted(sorted_values, x, side=side, method="scan_unrolled")
+
+
 def rows(offsets: jax.Array, total: int) -> Rows:
-    row = jnp.arange(total, dtype=jnp.int32)
-    seq = jnp.clip(jnp.searchsorted(offsets[1:], row, side="right"), 0, offsets.shape[0] - 2).astype(jnp.int32)
+    """The Rows of packed rows [0, total)."""
+    return rows_at(offsets, jnp.arange(total, dtype=jnp.int32))
+
+
+def rows_at(offsets: jax.Array, row: jax.Array) -> Rows:
+    """The Rows of the packed rows `row` (any shape, int32)."""
+    seq = jnp.clip(search_sorted(offsets[1:], row, side="right"), 0, offsets.shape[0] - 2).astype(jnp.int32)
     start = offsets[seq]
     inside = (row >= offsets[0]) & (row < offsets[-1])
     return Rows(start, offsets[seq + 1], jnp.where(inside, row - start, -1), seq)
@@ -128,6 +141,11 @@ class QueryRows(NamedTuple):
         low = row * seq_len + first
         shift = low - row * count
         return cls(low, low + count, shift, jnp.arange(batch * count, dtype=jnp.int32) + jnp.repeat(shift, count))
+
+    def rows(self, offsets: jax.Array) -> Rows:
+        """The Rows of the query rows (of the sequences `offsets`): rows(offsets, N) of their key
+        rows, computed for them only (a decoding step's few, not all N)."""
+        return rows_at(offsets, self.key_rows)
 
     def own(self, x):
         """x (arrays, or a tuple of them) [N, ...] per key row -> [count, ...] for the query rows."""
@@ -173,7 +191,7 @@ class Blocks(NamedTuple):
     def sequences(self) -> jax.Array:
         """[num] int32: the sequence of each block (padding blocks: the last one)."""
         ids = jnp.arange(self.count, dtype=jnp.int32)
-        seq = jnp.searchsorted(self.seq_first[1:], ids, side="right")
+        seq = search_sorted(self.seq_first[1:], ids, side="right")
         return jnp.clip(seq, 0, self.seq_first.shape[0] - 2).astype(jnp.int32)
 
     def block_id(self, seq, block_number):
@@ -202,7 +220,7 @@ def sequence_blocks(offsets: jax.Array, total: int, block: int, queries: QueryRo
     end_block = jnp.where(part_high > part_low, -(-(part_high - starts) // block), first_block)
     seq_first = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(end_block - first_block).astype(jnp.int32)])
     ids = jnp.arange(count, dtype=jnp.int32)
-    seq = jnp.clip(jnp.searchsorted(seq_first[1:], ids, side="right"), 0, num_seqs - 1)
+    seq = jnp.clip(search_sorted(seq_first[1:], ids, side="right"), 0, num_seqs - 1)
     used = ids < seq_first[-1]
     block_first = starts[seq] + (first_block[seq] + ids - seq_first[seq]) * block
     padding = jnp.asarray(low if queries is None else queries.key_rows[0], jnp.int32)
@@ -267,13 +285,13 @@ def selection_by_key_block(selected: jax.Array, row_info: Rows, blocks: Blocks, 
             keys, entry = lax.sort((keys, entry), num_keys=1)
         else:
             keys, entry = lax.sort(keys), None
-        return PairLists(keys % total, jnp.searchsorted(keys, bounds * total, side="left").astype(jnp.int32), entry)
+        return PairLists(keys % total, search_sorted(keys, bounds * total, side="left").astype(jnp.int32), entry)
     keys = list_id.reshape(-1)
     row_entries = jnp.broadcast_to(jnp.arange(total * entries, dtype=jnp.int32).reshape(1, total, entries), list_id.shape)
     keys, row_entries = lax.sort((keys, row_entries.reshape(-1)), is_stable=True, num_keys=1)
     return PairLists(
         row_entries // entries,
-        jnp.searchsorted(keys, bounds, side="left").astype(jnp.int32),
+        search_sorted(keys, bounds, side="left").astype(jnp.int32),
         row_entries % entries if slots else None,
     )
 
@@ -362,7 +380,7 @@ def pool_compressed(
     cmp_offsets = compressed_offsets(offsets, block, stride)
     first, count = rows if rows is not None else (0, compressed_rows(k.shape[0], num_seqs, stride))
     row = first + jnp.arange(count, dtype=jnp.int32)
-    seq = jnp.clip(jnp.searchsorted(cmp_offsets[1:], row, side="right"), 0, num_seqs - 1)
+    seq = jnp.clip(search_sorted(cmp_offsets[1:], row, side="right"), 0, num_seqs - 1)
     tokens = (offsets[seq] + (row - cmp_offsets[seq]) * stride)[:, None] + jnp.arange(block)
     k_blocks, v_blocks = (jnp.take(x, tokens, axis=0, mode="clip").astype(jnp.float32) for x in (k, v))
     k_cmp, v_cmp = (k_blocks.mean(axis=1), v_blocks.mean(axis=1)) if pool_fn is None else pool_fn(k_blocks, v_blocks)
@@ -375,25 +393,22 @@ def first_compressed_row(offsets: jax.Array, key_row, block: int, stride: int) -
     a later row of the sequences [offsets[n], offsets[n + 1]) (the row after its sequence's
     keys when none of them does): rows before it pool only earlier key rows."""
     cmp_offsets = compressed_offsets(offsets, block, stride)
-    seq = jnp.clip(jnp.searchsorted(offsets[1:], key_row, side="right"), 0, offsets.shape[0] - 2)
+    seq = jnp.clip(search_sorted(offsets[1:], key_row, side="right"), 0, offsets.shape[0] - 2)
     first_key = jnp.maximum(-((block - 1 - (key_row - offsets[seq])) // stride), 0)  # ceil((pos - block + 1) / stride)
     return jnp.minimum(cmp_offsets[seq] + first_key, cmp_offsets[seq + 1]).astype(jnp.int32)
 
 
-def cached_compressed(cache, keys: int, offsets: jax.Array, block: int, stride: int, dtype) -> Compressed:
-    """pool_compressed(k, v, offsets, block, stride, ..., dtype) of `keys` key rows, read from a
-    compressed cache (k_cmp, v_cmp) [B, R, HKV, D] of those keys (compressed_cache.py: each batch
-    row's own pool_compressed rows): rows past a sequence's keys are never visible, so batch
-    rows are laid one after another by their live rows and the rest is zeros."""
-    cmp_offsets = compressed_offsets(offsets, block, stride)
-    rows = compressed_rows(keys, offsets.shape[0] - 1, stride)
-
-    def flat(x):
-        batch = x.shape[0]
-        if batch == 1:
-            return x[0].astype(dtype)
-        live = max((keys // batch - block) // stride + 1, 0)  # one sequence a batch row
-        x = x[:, :live].reshape(batch * live, *x.shape[2:])
-        return jnp.pad(x, [(0, rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1)).astype(dtype)
-
-    return Compressed(flat(cache[0]), flat(cache[1]), cmp_offsets)
+def cached_compressed(cache, offsets: jax.Array, block: int, stride: int, dtype) -> Compressed:
+    """The compressed keys of the sequences `offsets`, read from a compressed cache (k_cmp, v_cmp)
+    [B, R, HKV, D] of their keys (compressed_cache.py: each batch row's own pool_compressed rows)
+    and cast to `dtype`. One batch row: its rows are pool_compressed's. B rows (a sequence each):
+    the arrays as they are, [B * R, HKV, D], sequence b's keys from row b * R: a decoding step
+    reads the cache in place rather than copying it into pool_compressed's packed rows. The rows
+    past a sequence's keys, before the next one's, are zeros that no query sees."""
+    batch, rows = cache[0].shape[:2]
+    if batch == 1:
+        cmp_offsets = compressed_offsets(offsets, block, stride)
+    else:
+        cmp_offsets = jnp.arange(batch + 1, dtype=jnp.int32) * rows
+    k_cmp, v_cmp = (x.reshape(batch * rows, *x.shape[2:]).astype(dtype) for x in cache)
+    return Compressed(k_cmp, v_cmp, cmp_offsets)

@@ -150,10 +150,10 @@ def pool_fns(given: Mapping[str, object] | None, learned: list[str], pattern: st
     return functions
 
 
-def compressed_cache(value: object, strides: Mapping[str, int], shapes: Shapes, num_seqs: int):
-    """A compressed cache (nsa_dsl.runtime.compressed_cache) of keys of `shapes` packing num_seqs
-    sequences a batch row: {compress branch: (k_cmp, v_cmp)} for every branch in `strides`, each
-    float32 [batch, seq_len // stride + num_seqs, num_kv_heads, head_dim]."""
+def compressed_cache(value: object, strides: Mapping[str, int], shapes: Shapes, num_seqs: int, dtype):
+    """A compressed cache (nsa_dsl.runtime.compressed_cache) of keys of `shapes` and `dtype`
+    packing num_seqs sequences a batch row: {compress branch: (k_cmp, v_cmp)} for every branch
+    in `strides`, each [batch, seq_len // stride + num_seqs, num_kv_heads, head_dim] in `dtype`."""
     if not isinstance(value, Mapping) or sorted(value) != sorted(strides):
         got = sorted(value) if isinstance(value, Mapping) else type(value).__name__
         raise ValueError(
@@ -168,10 +168,11 @@ def compressed_cache(value: object, strides: Mapping[str, int], shapes: Shapes, 
         wanted = (shapes.batch, compressed_rows(shapes.seq_len, num_seqs, stride), shapes.heads_kv, shapes.head_dim)
         arrays = tuple(_array(f"compressed[{name!r}]", x) for x in pair)
         for part, array in zip(("k_cmp", "v_cmp"), arrays):
-            if array.shape != wanted or array.dtype != jnp.float32:
+            if array.shape != wanted or array.dtype != dtype:
                 raise ValueError(
-                    f"compressed[{name!r}] {part} must be float32 {wanted} (the cache of keys [batch, seq_len, "
-                    f"num_kv_heads, head_dim] = {[shapes.batch, shapes.seq_len, shapes.heads_kv, shapes.head_dim]}"
+                    f"compressed[{name!r}] {part} must be {jnp.dtype(dtype).name} {wanted} (the cache of keys "
+                    f"[batch, seq_len, num_kv_heads, head_dim] = "
+                    f"{[shapes.batch, shapes.seq_len, shapes.heads_kv, shapes.head_dim]}"
                     f"{', cu_seqlens of ' + str(num_seqs) + ' sequences' if num_seqs > 1 else ''}), "
                     f"got {array.dtype} {array.shape}"
                 )

@@ -163,7 +163,7 @@ def query_tiles(cu_seqlens, frame):
     num_tiles = (frame.batch * frame.q_len + num_seqs * (rows - 1)) // rows + (1 if frame.sharded else 0)
     first_tile = jnp.concatenate([jnp.zeros(1, counts.dtype), jnp.cumsum(counts)])
     tile = jnp.arange(num_tiles)
-    seq = jnp.minimum(jnp.searchsorted(first_tile[1:], tile, side="right"), num_seqs - 1)
+    seq = jnp.minimum(layout.search_sorted(first_tile[1:], tile, side="right"), num_seqs - 1)
     q_first = (first_slot[seq] + tile - first_tile[seq]) * rows
     tiles = {
         "seq": seq,
