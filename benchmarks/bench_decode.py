@@ -127,7 +127,10 @@ def main() -> None:
                 return jax.jit(step, donate_argnums=(3,), compiler_options=compiler_options), True
 
             def reading(step):
-                return jax.jit(lambda q, kc, vc, c, t: (step(q, kc, vc, c, t), c), compiler_options=compiler_options), False
+                def read(q, kc, vc, c, t):
+                    return step(q, kc, vc, c, t), c
+
+                return jax.jit(read, compiler_options=compiler_options), False
 
             def nsa_step(platform, compressed):
                 if not compressed:
