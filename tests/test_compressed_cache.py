@@ -100,6 +100,25 @@ def check_decoding(rng, platform, *, batch, seq_len, positions, cu_seqlens=None,
         assert_close(outputs[t], expected[:, t : t + 1], FORWARD_TOLERANCE, f"{platform}, row {t}")
 
 
+def test_a_triton_decoding_step_has_no_loops(rng):
+    """The glue around a step's Triton kernels compiles to straight-line code: on a GPU each trip
+    of a loop is another kernel launch (jnp.searchsorted's default method, a while loop, was 20 of
+    a step's 53 kernels; here it leaves 3 loops in the compiled program)."""
+    source, _ = small_example("nsa")
+    attention = nsa_dsl.compile(source)
+    q, k, v = qkv(rng, 3, 75, 4, 2, 16)
+    gates = {f"g_{name}": gate(rng, 3, 1, 4) for name in NAMES}
+
+    def step(q_new, k_cache, v_cache, cache, positions):
+        cache = attention.compress(k_cache, v_cache, cache=cache, new_rows=(positions, 1))
+        return attention(q_new, k_cache, v_cache, query_offset=positions, compressed=cache, platform="triton",
+                         **gates)
+
+    positions = jnp.asarray([74, 40, 16], jnp.int32)
+    program = jax.jit(step).lower(q[:, :1], k, v, attention.compress(k, v), positions).compile().as_text()
+    assert " while(" not in program
+
+
 @pytest.mark.parametrize("platform", ["xla", "triton"])
 def test_a_half_precision_cache_holds_what_a_call_pools(rng, platform):
     """Keys in float16: the cache is float16 (half the bytes a step reads), and a decoding step of
