@@ -111,12 +111,14 @@ def check_case(name, dtype, B, T, HQ, HKV, D, S, block, cu, platform="triton") -
 
     out, vjp = jax.vjp(jax.jit(f), cast(q), cast(k), cast(v), cast(gate))
     grads = vjp(cast(d_out))
+    undifferentiated = jax.jit(f)(cast(q), cast(k), cast(v), cast(gate))
     mask = reference.selection_mask(indices, counts, block, cu)
     scale = 1.0 / math.sqrt(D)
     expected_out = reference.forward(q, k, v, [mask], [gate], scale)
     expected = reference.gradients(q, k, v, [mask], [gate], scale, d_out)
     pairs = {
         "o": (out, expected_out),
+        "o nograd": (undifferentiated, expected_out),
         "dq": (grads[0], expected["q"]),
         "dk": (grads[1], expected["k"]),
         "dv": (grads[2], expected["v"]),
@@ -160,7 +162,8 @@ STATIC_CASES = [
 
 class PatternRun(NamedTuple):
     """A compiled pattern run on random inputs: the inputs rounded to the run's dtype and held in
-    float64 for the reference, and the kernels' output and gradients (q, k, v, then the gates)."""
+    float64 for the reference, and the kernels' output and gradients (q, k, v, then the gates);
+    also the output of a call that is not differentiated (which may run other kernels)."""
 
     q: np.ndarray
     k: np.ndarray
@@ -170,6 +173,7 @@ class PatternRun(NamedTuple):
     cu_seqlens: np.ndarray | None
     out: jax.Array
     grads: tuple
+    undifferentiated: jax.Array
 
 
 def run_pattern(attention, gate_names, name, dtype, B, T, HQ, HKV, D, cu, platform) -> PatternRun:
@@ -184,8 +188,9 @@ def run_pattern(attention, gate_names, name, dtype, B, T, HQ, HKV, D, cu, platfo
     def f(q, k, v, *gate_values):
         return attention(q, k, v, cu_seqlens=cu_arg, platform=platform, **dict(zip(gate_names, gate_values)))
 
-    out, vjp = jax.vjp(jax.jit(f), cast(q), cast(k), cast(v), *(cast(gates[n]) for n in gate_names))
-    return PatternRun(q, k, v, d_out, gates, cu_arg, out, vjp(cast(d_out)))
+    inputs = (cast(q), cast(k), cast(v), *(cast(gates[n]) for n in gate_names))
+    out, vjp = jax.vjp(jax.jit(f), *inputs)
+    return PatternRun(q, k, v, d_out, gates, cu_arg, out, vjp(cast(d_out)), jax.jit(f)(*inputs))
 
 
 def check_static_case(name, dtype, B, T, HQ, HKV, D, cu, platform="triton") -> dict:
@@ -197,8 +202,10 @@ def check_static_case(name, dtype, B, T, HQ, HKV, D, cu, platform="triton") -> d
     branch_gates = [None if b.gate is None else gates[b.gate.name] for b in plan.branches]
     scale = 1.0 / math.sqrt(D)
     expected = reference.gradients(q, k, v, masks, branch_gates, scale, d_out)
+    expected_out = reference.forward(q, k, v, masks, branch_gates, scale)
     pairs = {
-        "o": (out, reference.forward(q, k, v, masks, branch_gates, scale)),
+        "o": (out, expected_out),
+        "o nograd": (run.undifferentiated, expected_out),
         "dq": (grads[0], expected["q"]),
         "dk": (grads[1], expected["k"]),
         "dv": (grads[2], expected["v"]),
@@ -279,14 +286,15 @@ def check_nsa_case(name, dtype, B, T, HQ, HKV, D, cu, platform="pallas") -> dict
     selection_gap = float(np.abs(got[finite] - want[finite]).max() / np.abs(want[finite]).max()) if same else float("inf")
     expected, _, _, _ = nsa_reference(q, k, v, spec, gates=weights, cu_seqlens=cu, selected=chosen)
     wanted = nsa_gradients(q, k, v, spec, weights, chosen, d_out, cu_seqlens=cu)
-    pairs = {"o": (out, expected), "dq": (grads[0], wanted["q"]), "dk": (grads[1], wanted["k"]), "dv": (grads[2], wanted["v"])}
+    pairs = {"o": (out, expected), "o nograd": (run.undifferentiated, expected), "dq": (grads[0], wanted["q"]),
+             "dk": (grads[1], wanted["k"]), "dv": (grads[2], wanted["v"])}
     pairs["dgate"] = (grads[3], wanted[gate_names[0]])
     return {**relative_errors(pairs), "sel": selection_gap}
 
 
 def run_correctness(dtypes, only=None, platform="triton") -> list[dict]:
     log(f"\n== correctness: {platform} platform vs float64 reference (max |error| / max |reference|) ==")
-    log(f"{'case':<18} {'dtype':<9} {'o':>9} {'dq':>9} {'dk':>9} {'dv':>9} {'dgate':>9}  verdict")
+    log(f"{'case':<18} {'dtype':<9} {'o':>9} {'o nograd':>9} {'dq':>9} {'dk':>9} {'dv':>9} {'dgate':>9}  verdict")
     cases = [("selection", case) for case in CORRECTNESS_CASES] + [("static", case) for case in STATIC_CASES]
     cases += [("nsa", case) for case in NSA_CASES]
     cases = [(kind, case) for kind, case in cases if only is None or case[0] in only]
@@ -309,7 +317,8 @@ def run_correctness(dtypes, only=None, platform="triton") -> list[dict]:
                 row["errors"] = errors
                 row["seconds"] = time.perf_counter() - started
                 row["ok"] = all(e <= TOLERANCE[dtype] for e in errors.values())
-                cells = " ".join(f"{errors[k]:9.2e}" if k in errors else f"{'-':>9}" for k in ("o", "dq", "dk", "dv", "dgate"))
+                cells = " ".join(f"{errors[k]:9.2e}" if k in errors else f"{'-':>9}"
+                                 for k in ("o", "o nograd", "dq", "dk", "dv", "dgate"))
                 log(f"{name:<18} {dtype:<9} {cells}  {'ok' if row['ok'] else 'FAIL'} ({row['seconds']:.1f} s)")
             except Exception as err:  # noqa: BLE001 - report and go on
                 row["ok"] = False

@@ -77,6 +77,9 @@ def check_against_reference(rng, source, spec, *, batch, seq_len, heads_q, heads
     assert out.shape == q.shape and out.dtype == q.dtype
     expected, _, _, _ = nsa_reference(q, k, v, spec, gates=g, scale=scale, cu_seqlens=cu, selected=kernel_chosen)
     assert_close(out, expected, forward_tolerance, "output")
+    # Not differentiated, the selection kernel writes the gated sum of every branch (its epilogue).
+    undifferentiated = jax.jit(attention)(q, k, v, [g[n] for n in names], weights, jnp.float32(scale))
+    assert_close(undifferentiated, expected, forward_tolerance, "output, not differentiated")
 
     d_out = normal(rng, *out.shape).astype(dtype)
     dq, dk, dv, dgates, d_weights, d_scale = pullback(jnp.asarray(d_out))
@@ -187,6 +190,39 @@ def test_native_sparse_attention_with_g_cmp(rng):
     _, _, ref_chosen, scores = nsa_reference(q, k, v, spec, gates={"cmp": g_cmp, "slc": g_slc})
     np.testing.assert_allclose(chosen_scores(scores, chosen), chosen_scores(scores, ref_chosen), rtol=1e-4, atol=1e-6)
     expected, _, _, _ = nsa_reference(q, k, v, spec, gates={"cmp": g_cmp, "slc": g_slc}, selected=chosen)
+    assert_close(out, expected, TOLERANCE[np.float32][0], "output")
+
+
+@pytest.mark.parametrize("gates", [("g_cmp", "g_swa"), ("g_slc",), ("g_cmp", "g_slc", "g_swa", "g_near")])
+def test_the_selection_kernel_writes_every_branchs_gated_output(rng, monkeypatch, gates):
+    """examples/nsa.nsa scaled down, with a second window (g_near): called without gradients, the
+    selection branch's kernel adds the other branches' gated outputs as it writes the result (a
+    third one summed first: the kernel takes two), in one launch instead of the selection's own;
+    without g_slc the other branches' outputs are summed. Group 4, head dim 24, odd length."""
+    source, spec = small_example("nsa")
+    source = source.replace("\ncausal\n", "\ncausal\ngate g_near\n") + "branch near = window(8) gate g_near\n"
+    batch, seq_len, heads_q, heads_kv, head_dim = 1, 45, 8, 2, 24
+    q, k, v = qkv(rng, batch, seq_len, heads_q, heads_kv, head_dim)
+    values = {name: gate(rng, batch, seq_len, heads_q) for name in gates}
+    attn = nsa_dsl.compile(source)
+    launched = []
+    launch = triton_glue.launch
+
+    def recording(kernel, *args, **kwargs):
+        launched.append(kernel.__name__)
+        return launch(kernel, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(triton_glue, "launch", recording)
+        out = jax.jit(lambda q, k, v, values: attn(q, k, v, platform="triton", **values))(q, k, v, values)
+    assert launched.count("gated_selection_forward") == ("g_slc" in gates)
+    assert "selection_forward" not in launched
+
+    chosen = np.asarray(attn.selections(q, k, v, platform="triton")["slc"])
+    references = {name[2:]: value for name, value in values.items() if name != "g_near"}
+    expected, _, _, _ = nsa_reference(q, k, v, spec, gates=references, selected=chosen)
+    if "g_near" in values:
+        expected += nsa_reference(q, k, v, replace(spec, window=8), gates={"swa": values["g_near"]}, selected=chosen)[0]
     assert_close(out, expected, TOLERANCE[np.float32][0], "output")
 
 
