@@ -70,7 +70,7 @@ def native_sparse_attention(
 _KERNEL = NativeSparseAttention()
 
 # Compiler options for a jitted decoding step: `jax.jit(step, compiler_options=DECODE_COMPILER_OPTIONS)`.
-# A step runs ~50 small kernels (the Triton kernels and the index arithmetic between them); XLA
+# A step runs some twenty small kernels (the Triton kernels and the index arithmetic between them); XLA
 # records a run of kernels into a CUDA graph only from 5 in a row by default, so the few between two
 # Triton launches were launched one by one. Graphs of any length took an H200's step (8 sequences
 # at 8k tokens) from 0.39 to 0.23 ms. Other backends ignore the option.
