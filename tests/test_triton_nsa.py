@@ -165,6 +165,23 @@ def test_selection_per_block_of_queries_in_float16(rng):
                             dtype=np.float16, gates=("cmp", "slc"))
 
 
+@pytest.mark.parametrize("query_block, heads_q, cu_seqlens", [(4, 3, [0, 5, 31, 44]), (16, 16, [0, 21, 44])])
+def test_groups_of_queries_share_each_loaded_block(rng, query_block, heads_q, cu_seqlens):
+    """`per block(Q)` selections run as block-sparse attention: a program takes several tokens
+    of one group and loads each of the group's blocks once for all of them (Q = 4, group 3: the
+    group's 4 tokens of 4 head rows; Q = 16, group 16: 4 tokens a program, a group in 4 programs),
+    on packed sequences that do not end on a group's edge, rows past the last one."""
+    source = (
+        "pattern p\nblock 16\ncausal\n"
+        "branch cmp = compress(block=8, stride=8) gate g_cmp\n"
+        f"branch slc = topk(3, block=16, score=cmp, force=local(1)) per block({query_block}) gate g_slc\n"
+    )
+    spec = NsaSpec(compress_block=8, compress_stride=8, select_count=3, select_block=16, query_block=query_block,
+                   forced=lambda qb, kb: kb == qb)
+    check_against_reference(rng, source, spec, batch=1, seq_len=47, heads_q=heads_q, heads_kv=1, head_dim=24,
+                            cu_seqlens=cu_seqlens, gates=("cmp", "slc"))
+
+
 @pytest.mark.skipif(not triton_glue.on_gpu(), reason="pipelining: the interpreter ignores num_stages")
 @pytest.mark.parametrize("num_warps, num_stages", [(4, 1), (8, 3)])
 def test_launch_settings_at_both_ends_of_the_autotuners_range(rng, num_warps, num_stages):
