@@ -1,0 +1,116 @@
+"""Two A/B timings of the Triton selection kernels on one GPU, each pair in one process.
+
+    PYTHONPATH=. python benchmarks/ab_selection_paths.py [--length 65536] [--rounds 2]
+
+gated: the same jitted call undifferentiated (the last selection kernel writes the pattern's gated
+sum: gated_selection_forward) against the forward of jax.vjp (the plain selection kernel, its
+output and lse stored, then XLA sums the gated branches), for explicit selection
+(native_sparse_attention with g_slc), native_sparse_attention(g_cmp) and the .nsa NSA pattern
+with a 512 window. block: a `per block(Q)` selection's forward as block-sparse programs
+(Q = 16, 64: tokens of a group share each loaded block) against one program per token (Q = 1),
+on the same selections (the tokens of each group of 64 share its 16 random blocks).
+B=1, HQ=64, HKV=4, D=128, bfloat16, 16 blocks of 64 (the issue 4 setting); median ms
+(timing.py) and the largest output difference of each pair. Results: benchmarks/results/ab_*.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from bench_gpu import NSA_PATTERN  # noqa: E402
+from timing import measure  # noqa: E402
+
+import nsa_dsl  # noqa: E402
+from nsa_dsl.codegen import cache  # noqa: E402
+from nsa_dsl.runtime import layout  # noqa: E402
+
+HQ, HKV, D, S, BLOCK = 64, 4, 128, 16, 64
+
+
+def gated(length: int, rounds: int) -> None:
+    keys = jax.random.split(jax.random.key(0), 6)
+    q = jax.random.normal(keys[0], (1, length, HQ, D), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (1, length, HKV, D), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (1, length, HKV, D), jnp.bfloat16)
+    g = {name: jax.random.uniform(keys[3 + i], (1, length, HQ), jnp.bfloat16)
+         for i, name in enumerate(("g_cmp", "g_slc", "g_swa"))}
+    rng = np.random.default_rng(0)
+    own_block = np.arange(length)[None, :, None, None] // BLOCK
+    indices = jnp.asarray(np.sort(rng.integers(0, 1 << 30, (1, length, HKV, S)) % (own_block + 1), -1).astype(np.int32))
+    cfg = nsa_dsl.NativeSparseAttentionConfig(block_size=BLOCK)
+    pattern = nsa_dsl.compile(NSA_PATTERN.format(block=BLOCK, selected=S, window=512))
+    cases = {
+        "selection": lambda q, k, v: nsa_dsl.native_sparse_attention(
+            q, k, v, None, g["g_slc"], indices, S, None, platform="triton", cfg=cfg),
+        "nsa g_cmp": lambda q, k, v: nsa_dsl.native_sparse_attention(
+            q, k, v, g["g_cmp"], g["g_slc"], None, S, None, platform="triton", cfg=cfg),
+        ".nsa": lambda q, k, v: pattern(q, k, v, platform="triton", **g),
+    }
+    for round_ in range(rounds):
+        for name, f in cases.items():
+            undifferentiated = jax.jit(f)
+            differentiated = jax.jit(lambda q, k, v, f=f: jax.vjp(f, q, k, v)[0])
+            a = measure(lambda: undifferentiated(q, k, v), jax.block_until_ready, time_cap_s=1.5)
+            b = measure(lambda: differentiated(q, k, v), jax.block_until_ready, time_cap_s=1.5)
+            diff = jnp.max(jnp.abs(undifferentiated(q, k, v).astype(jnp.float32)
+                                   - differentiated(q, k, v).astype(jnp.float32)))
+            print(f"round {round_} {name:10s} gated {a['ms']:.3f} ms  unfused {b['ms']:.3f} ms  "
+                  f"max|d| {float(diff):.2e}", flush=True)
+
+
+def block(length: int) -> None:
+    plan = nsa_dsl.compile(
+        f"pattern p\nblock {BLOCK}\ncausal\nbranch cmp = compress(block={BLOCK}, stride={BLOCK}) gate g_cmp\n"
+        f"branch slc = topk({S}, block={BLOCK}, score=cmp, force=local(1)) per block({BLOCK}) gate g_slc\n").plan
+    module = cache.load_module("triton", plan)
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (length, HQ, D), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (length, HKV, D), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (length, HKV, D), jnp.bfloat16)
+    rng = np.random.default_rng(0)
+    groups = np.full((length // BLOCK, HKV, S), -1, np.int32)
+    for group in range(groups.shape[0]):
+        for head in range(HKV):
+            count = min(S, group + 1)
+            groups[group, head, :count] = rng.choice(group + 1, count, replace=False)
+    selected = jnp.asarray(np.repeat(groups, BLOCK, axis=0))
+    offsets = layout.sequence_offsets(None, 1, length)
+    queries = layout.query_rows(0, 1, length, length, offsets)
+    scale = jnp.full((1,), D**-0.5, jnp.float32)
+    outputs = {}
+    for query_block in (1, 16, 64):
+        spec = module.Selection(BLOCK, HKV, HQ // HKV, D, S, query_block, False)
+        f = jax.jit(lambda q, k, v, spec=spec: module.selection_attention(
+            spec, q, k, v, scale, selected, offsets, queries))
+        timing = measure(lambda: f(q, k, v), jax.block_until_ready, time_cap_s=1.5)
+        outputs[query_block] = np.asarray(f(q, k, v).astype(jnp.float32))
+        diff = np.abs(outputs[query_block] - outputs[1]).max()
+        print(f"Q={query_block:3d} forward {timing['ms']:.3f} ms  max|d| vs Q=1 {diff:.2e}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--length", type=int, default=65536)
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of the gated A/B")
+    parser.add_argument("--cases", default="gated,block")
+    args = parser.parse_args()
+    print(f"ab_selection_paths: T={args.length} B=1 HQ={HQ} HKV={HKV} D={D} bfloat16, {S} blocks of {BLOCK}, "
+          f"device {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
+    if "gated" in args.cases:
+        gated(args.length, args.rounds)
+    if "block" in args.cases:
+        block(args.length)
+
+
+if __name__ == "__main__":
+    main()
