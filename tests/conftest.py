@@ -87,6 +87,24 @@ def lower_for_cuda(jitted, *args):
         return jitted.trace(*args).lower(lowering_platforms=("cuda",))
 
 
+def launched_triton_kernels(monkeypatch, run) -> list[str]:
+    """The Triton kernels (by name) that `run()` launches, in order: while jax traces them, the
+    launches a jitted program will make."""
+    from nsa_dsl.runtime import triton_glue
+
+    names = []
+    launch = triton_glue.launch
+
+    def recording(kernel, *args, **kwargs):
+        names.append(kernel.__name__)
+        return launch(kernel, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(triton_glue, "launch", recording)
+        run()
+    return names
+
+
 def relative_error(actual, expected) -> float:
     """max |actual - expected| / max |expected|."""
     actual = np.asarray(actual, dtype=np.float64)

@@ -35,7 +35,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import reference
-from conftest import FORWARD_TOLERANCE, GRADIENT_TOLERANCE, assert_close, gate, normal, qkv, random_indices
+from conftest import (
+    FORWARD_TOLERANCE,
+    GRADIENT_TOLERANCE,
+    assert_close,
+    gate,
+    launched_triton_kernels,
+    normal,
+    qkv,
+    random_indices,
+)
 from nsa_reference import NsaSpec, chosen_scores, nsa_gradients, nsa_reference
 
 import nsa_dsl
@@ -43,7 +52,7 @@ from nsa_dsl.config import NativeSparseAttentionConfig
 from nsa_dsl.dsl import model
 from nsa_dsl.plan import plan as p
 from nsa_dsl.plan.ranges import static_launches
-from nsa_dsl.runtime import attend, needs_scoring_query, selections, triton_glue
+from nsa_dsl.runtime import attend, needs_scoring_query, selections
 
 PLATFORM = "triton"
 BLOCK = 16
@@ -335,17 +344,7 @@ def launched_kernels(monkeypatch, platform: str, run) -> list[str]:
         found = []
         run(lambda fn, *args: found.extend(["pallas_call"] * str(jax.make_jaxpr(fn)(*args)).count("pallas_call[")))
         return found
-    names = []
-    launch = triton_glue.launch
-
-    def recording(kernel, *args, **kwargs):
-        names.append(kernel.__name__)
-        return launch(kernel, *args, **kwargs)
-
-    with monkeypatch.context() as patch:
-        patch.setattr(triton_glue, "launch", recording)
-        run(lambda fn, *args: jax.make_jaxpr(fn)(*args))
-    return names
+    return launched_triton_kernels(monkeypatch, lambda: run(lambda fn, *args: jax.make_jaxpr(fn)(*args)))
 
 
 def test_nsa_shards_of_three_batch_rows_in_one_launch_per_kernel(rng, monkeypatch):

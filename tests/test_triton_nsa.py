@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_close, gate, normal, qkv
+from conftest import assert_close, gate, launched_triton_kernels, normal, qkv
 from nsa_reference import NsaSpec, chosen_scores, nsa_gradients, nsa_reference, small_example
 
 import nsa_dsl
@@ -222,16 +222,9 @@ def test_the_selection_kernel_writes_every_branchs_gated_output(rng, monkeypatch
     q, k, v = qkv(rng, batch, seq_len, heads_q, heads_kv, head_dim)
     values = {name: gate(rng, batch, seq_len, heads_q) for name in gates}
     attn = nsa_dsl.compile(source)
-    launched = []
-    launch = triton_glue.launch
-
-    def recording(kernel, *args, **kwargs):
-        launched.append(kernel.__name__)
-        return launch(kernel, *args, **kwargs)
-
-    with monkeypatch.context() as patch:
-        patch.setattr(triton_glue, "launch", recording)
-        out = jax.jit(lambda q, k, v, values: attn(q, k, v, platform="triton", **values))(q, k, v, values)
+    call = jax.jit(lambda q, k, v, values: attn(q, k, v, platform="triton", **values))
+    launched = launched_triton_kernels(monkeypatch, lambda: jax.make_jaxpr(call)(q, k, v, values))
+    out = call(q, k, v, values)
     assert launched.count("gated_selection_forward") == ("g_slc" in gates)
     assert "selection_forward" not in launched
 
