@@ -210,14 +210,22 @@ def test_native_sparse_attention_with_g_cmp(rng):
     assert_close(out, expected, TOLERANCE[np.float32][0], "output")
 
 
-@pytest.mark.parametrize("gates", [("g_cmp", "g_swa"), ("g_slc",), ("g_cmp", "g_slc", "g_swa", "g_near")])
-def test_the_selection_kernel_writes_every_branchs_gated_output(rng, monkeypatch, gates):
+@pytest.mark.parametrize("gates, slc_gate", [
+    (("g_cmp", "g_swa"), "gate g_slc"),
+    (("g_slc",), "gate g_slc"),
+    (("g_cmp", "g_slc", "g_swa", "g_near"), "gate g_slc"),
+    (("g_cmp", "g_swa"), "gate g_slc default 0.5"),
+    (("g_swa",), ""),
+])
+def test_the_selection_kernel_writes_every_branchs_gated_output(rng, monkeypatch, gates, slc_gate):
     """examples/nsa.nsa scaled down, with a second window (g_near): called without gradients, the
     selection branch's kernel adds the other branches' gated outputs as it writes the result (a
-    third one summed first: the kernel takes two), in one launch instead of the selection's own;
-    without g_slc the other branches' outputs are summed. Group 4, head dim 24, odd length."""
+    third one summed first: the kernel takes two), in one launch instead of the selection's own,
+    its own weighed by its gate, the gate's default when not passed, or 1 for a branch without one;
+    without g_slc (no default) the other branches' outputs are summed. Group 4, head dim 24, odd length."""
     source, spec = small_example("nsa")
-    source = source.replace("\ncausal\n", "\ncausal\ngate g_near\n") + "branch near = window(8) gate g_near\n"
+    source = source.replace("\ncausal\n", "\ncausal\ngate g_near\n").replace(" gate g_slc\n", f" {slc_gate}\n")
+    source += "branch near = window(8) gate g_near\n"
     batch, seq_len, heads_q, heads_kv, head_dim = 1, 45, 8, 2, 24
     q, k, v = qkv(rng, batch, seq_len, heads_q, heads_kv, head_dim)
     values = {name: gate(rng, batch, seq_len, heads_q) for name in gates}
@@ -225,11 +233,14 @@ def test_the_selection_kernel_writes_every_branchs_gated_output(rng, monkeypatch
     call = jax.jit(lambda q, k, v, values: attn(q, k, v, platform="triton", **values))
     launched = launched_triton_kernels(monkeypatch, lambda: jax.make_jaxpr(call)(q, k, v, values))
     out = call(q, k, v, values)
-    assert launched.count("gated_selection_forward") == ("g_slc" in gates)
+    selection_runs = "g_slc" in gates or slc_gate != "gate g_slc"
+    assert launched.count("gated_selection_forward") == selection_runs
     assert "selection_forward" not in launched
 
     chosen = np.asarray(attn.selections(q, k, v, platform="triton")["slc"])
     references = {name[2:]: value for name, value in values.items() if name != "g_near"}
+    if "g_slc" not in gates and selection_runs:
+        references["slc"] = np.full((batch, seq_len, heads_q), 0.5 if "default" in slc_gate else 1.0)
     expected, _, _, _ = nsa_reference(q, k, v, spec, gates=references, selected=chosen)
     if "g_near" in values:
         expected += nsa_reference(q, k, v, replace(spec, window=8), gates={"swa": values["g_near"]}, selected=chosen)[0]
