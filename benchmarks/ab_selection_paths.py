@@ -6,9 +6,10 @@ gated: the same jitted call undifferentiated (the last selection kernel writes t
 sum: gated_selection_forward) against the forward of jax.vjp (the plain selection kernel, its
 output and lse stored, then XLA sums the gated branches), for explicit selection
 (native_sparse_attention with g_slc), native_sparse_attention(g_cmp) and the .nsa NSA pattern
-with a 512 window. block: a `per block(Q)` selection's forward as block-sparse programs
-(Q = 16, 64: tokens of a group share each loaded block) against one program per token (Q = 1),
-on the same selections (the tokens of each group of 64 share its 16 random blocks).
+with a 512 window. block: a `per block(Q)` selection as block-sparse attention (Q = 16, 64: the
+forward's and dq's programs take tokens of a group that share each loaded block; dk/dv walk the
+groups that selected their block) against the per-token kernels (Q = 1), forward and forward +
+backward, on the same selections (the tokens of each group of 64 share its 16 random blocks).
 B=1, HQ=64, HKV=4, D=128, bfloat16, 16 blocks of 64 (the issue 4 setting); median ms
 (timing.py) and the largest output difference of each pair. Results: benchmarks/results/ab_*.
 """
@@ -87,15 +88,21 @@ def block(length: int) -> None:
     offsets = layout.sequence_offsets(None, 1, length)
     queries = layout.query_rows(0, 1, length, length, offsets)
     scale = jnp.full((1,), D**-0.5, jnp.float32)
-    outputs = {}
+    d_out = jax.random.normal(jax.random.key(1), q.shape, jnp.bfloat16)
+    results = {}
     for query_block in (1, 16, 64):
         spec = module.Selection(BLOCK, HKV, HQ // HKV, D, S, query_block, False)
-        f = jax.jit(lambda q, k, v, spec=spec: module.selection_attention(
-            spec, q, k, v, scale, selected, offsets, queries))
-        timing = measure(lambda: f(q, k, v), jax.block_until_ready, time_cap_s=1.5)
-        outputs[query_block] = np.asarray(f(q, k, v).astype(jnp.float32))
-        diff = np.abs(outputs[query_block] - outputs[1]).max()
-        print(f"Q={query_block:3d} forward {timing['ms']:.3f} ms  max|d| vs Q=1 {diff:.2e}", flush=True)
+
+        def attention(q, k, v, spec=spec):
+            return module.selection_attention(spec, q, k, v, scale, selected, offsets, queries)
+
+        forward = jax.jit(attention)
+        both = jax.jit(lambda q, k, v, attention=attention: jax.vjp(attention, q, k, v)[1](d_out))
+        ms = [measure(lambda f=f: f(q, k, v), jax.block_until_ready, time_cap_s=1.5)["ms"] for f in (forward, both)]
+        results[query_block] = [np.asarray(x.astype(jnp.float32)) for x in (forward(q, k, v), *both(q, k, v))]
+        diff = [float(np.abs(a - b).max()) for a, b in zip(results[query_block], results[1])]
+        print(f"Q={query_block:3d} forward {ms[0]:.3f} ms  forward+backward {ms[1]:.3f} ms  max|d| vs Q=1: "
+              f"out {diff[0]:.2e} dq {diff[1]:.2e} dk {diff[2]:.2e} dv {diff[3]:.2e}", flush=True)
 
 
 def main() -> None:

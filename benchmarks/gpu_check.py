@@ -397,7 +397,7 @@ def run_tuning(T, HQ=64, HKV=4, D=128, S=16, block=64, dtype="bfloat16") -> dict
         return module._selection_backward(spec, residuals, d_out)[:3]
 
     def pair_lists(selected):
-        return layout.selection_by_key_block(selected, rows, layout.sequence_blocks(offsets, T, block))
+        return layout.selection_by_key_block(selected, rows.seq, layout.sequence_blocks(offsets, T, block))
 
     def timed(fn, *args, repeats=10, warmup=2):
         # a new function object each time: jit must trace again under the module's current settings

@@ -87,6 +87,18 @@ def lower_for_cuda(jitted, *args):
         return jitted.trace(*args).lower(lowering_platforms=("cuda",))
 
 
+@pytest.fixture
+def recomputed_scores(monkeypatch):
+    """The Triton selection backward's other order: no memory for the score gradients, so dq
+    recomputes them."""
+    from nsa_dsl.runtime import triton_glue
+
+    monkeypatch.setattr(triton_glue, "fits_device_memory", lambda nbytes, share: False)
+    jax.clear_caches()  # traces that chose to store them
+    yield
+    jax.clear_caches()
+
+
 def launched_triton_kernels(monkeypatch, run) -> list[str]:
     """The Triton kernels (by name) that `run()` launches, in order: while jax traces them, the
     launches a jitted program will make."""

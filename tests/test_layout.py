@@ -86,7 +86,7 @@ def test_pair_lists_are_the_selection_transposed(rng, monkeypatch, one_key):
     indices = rng.integers(-1, 3, (TOTAL, heads_kv, width)).astype(np.int32)
     cleaned = layout.clean_selection(indices, np.full((TOTAL, heads_kv), width, np.int32), rows, BLOCK)
     blocks = layout.sequence_blocks(offsets, TOTAL, BLOCK)
-    pairs = layout.selection_by_key_block(cleaned, rows, blocks, slots=True)
+    pairs = layout.selection_by_key_block(cleaned, rows.seq, blocks, slots=True)
     tokens, slots, bounds = np.asarray(pairs.tokens), np.asarray(pairs.slots), np.asarray(pairs.offsets)
     cleaned, seq_first = np.asarray(cleaned), np.asarray(blocks.seq_first)
     for h in range(heads_kv):

@@ -165,12 +165,19 @@ def test_selection_per_block_of_queries_in_float16(rng):
                             dtype=np.float16, gates=("cmp", "slc"))
 
 
-@pytest.mark.parametrize("query_block, heads_q, cu_seqlens", [(4, 3, [0, 5, 31, 44]), (16, 16, [0, 21, 44])])
-def test_groups_of_queries_share_each_loaded_block(rng, query_block, heads_q, cu_seqlens):
-    """`per block(Q)` selections run as block-sparse attention: a program takes several tokens
-    of one group and loads each of the group's blocks once for all of them (Q = 4, group 3: the
-    group's 4 tokens of 4 head rows; Q = 16, group 16: 4 tokens a program, a group in 4 programs),
-    on packed sequences that do not end on a group's edge, rows past the last one."""
+@pytest.mark.parametrize(
+    "query_block, heads_q, cu_seqlens, score_gradients",
+    [(4, 3, [0, 5, 31, 44], "stored"), (16, 16, [0, 21, 44], "stored"), (16, 16, [0, 21, 44], "recomputed")],
+)
+def test_groups_of_queries_share_each_loaded_block(request, rng, query_block, heads_q, cu_seqlens, score_gradients):
+    """`per block(Q)` selections run as block-sparse attention: a forward or dq program takes
+    several tokens of one group and loads each of the group's blocks once for all of them (Q = 4,
+    group 3: the group's 4 tokens of 4 head rows; Q = 16, group 16: 4 tokens a program, a group in
+    4 programs); dk/dv walk the groups that selected their block (4 groups of 4 tokens a step; a
+    group in 4 steps of 4 tokens). On packed sequences that do not end on a group's edge, rows past
+    the last one; dq reading the stored score gradients, or recomputing them."""
+    if score_gradients == "recomputed":
+        request.getfixturevalue("recomputed_scores")
     source = (
         "pattern p\nblock 16\ncausal\n"
         "branch cmp = compress(block=8, stride=8) gate g_cmp\n"

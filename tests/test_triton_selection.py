@@ -52,15 +52,6 @@ def test_forward_and_gradients(rng, dtype, batch, seq_len, heads_q, heads_kv, he
     check_forward_and_gradients(rng, q, k, v, g_slc, indices, counts, block)
 
 
-@pytest.fixture
-def recomputed_scores(monkeypatch):
-    """The backward's other order: no memory for the score gradients, so dq recomputes them."""
-    monkeypatch.setattr(triton_glue, "fits_device_memory", lambda nbytes, share: False)
-    jax.clear_caches()  # traces that chose to store them
-    yield
-    jax.clear_caches()
-
-
 @pytest.mark.parametrize(
     "dtype, seq_len, heads_q, head_dim, width, block",
     [(np.float32, 63, 3, 60, 4, 16), (np.float16, 50, 16, 32, 3, 16)],

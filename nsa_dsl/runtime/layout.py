@@ -251,7 +251,8 @@ class PairLists(NamedTuple):
 
     tokens[offsets[h, b] : offsets[h, b + 1]] are the rows, ascending, whose selection for KV
     head h holds key block b (a Blocks id); slots[i], where asked for, is the entry of row
-    tokens[i]'s selection that names the block."""
+    tokens[i]'s selection that names the block. A row is a token, or whatever the selections
+    belong to (a `per block(Q)` group of tokens)."""
 
     tokens: jax.Array  # [HKV * N * S] int32
     offsets: jax.Array  # [HKV, num key blocks + 1] int32
@@ -263,14 +264,14 @@ class PairLists(NamedTuple):
 ONE_KEY_LIMIT = 2**31
 
 
-def selection_by_key_block(selected: jax.Array, row_info: Rows, blocks: Blocks, slots: bool = False) -> PairLists:
-    """Transpose cleaned selections [N, HKV, S] (clean_selection) into pair lists, on device:
-    number every (row, entry) pair by its (KV head, key block) list, sort, and find each list's
-    range by binary search; with `slots`, each pair's entry too. Deterministic: no atomics, rows
-    stay in ascending order."""
+def selection_by_key_block(selected: jax.Array, seq: jax.Array, blocks: Blocks, slots: bool = False) -> PairLists:
+    """Transpose cleaned selections [N, HKV, S] (clean_selection) of rows of the sequences `seq`
+    [N] into pair lists, on device: number every (row, entry) pair by its (KV head, key block)
+    list, sort, and find each list's range by binary search; with `slots`, each pair's entry too.
+    Deterministic: no atomics, rows stay in ascending order."""
     total, heads_kv, entries = selected.shape
     lists_per_head = blocks.count + 1  # the last: entries naming no block, sorted after every real one
-    block_id = jnp.where(selected >= 0, blocks.block_id(row_info.seq[:, None, None], selected), blocks.count)
+    block_id = jnp.where(selected >= 0, blocks.block_id(seq[:, None, None], selected), blocks.count)
     list_id = (jnp.arange(heads_kv, dtype=jnp.int32)[None, :, None] * lists_per_head + block_id).transpose(1, 0, 2)
     bounds = jnp.arange(heads_kv * lists_per_head, dtype=jnp.int32).reshape(heads_kv, lists_per_head)
     if heads_kv * lists_per_head * total <= ONE_KEY_LIMIT:
