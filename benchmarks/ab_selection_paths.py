@@ -69,7 +69,7 @@ def gated(length: int, rounds: int) -> None:
                   f"max|d| {float(diff):.2e}", flush=True)
 
 
-def block(length: int) -> None:
+def block(length: int, query_blocks: list[int]) -> None:
     plan = nsa_dsl.compile(
         f"pattern p\nblock {BLOCK}\ncausal\nbranch cmp = compress(block={BLOCK}, stride={BLOCK}) gate g_cmp\n"
         f"branch slc = topk({S}, block={BLOCK}, score=cmp, force=local(1)) per block({BLOCK}) gate g_slc\n").plan
@@ -90,7 +90,7 @@ def block(length: int) -> None:
     scale = jnp.full((1,), D**-0.5, jnp.float32)
     d_out = jax.random.normal(jax.random.key(1), q.shape, jnp.bfloat16)
     results = {}
-    for query_block in (1, 16, 64):
+    for query_block in query_blocks:
         spec = module.Selection(BLOCK, HKV, HQ // HKV, D, S, query_block, False)
 
         def attention(q, k, v, spec=spec):
@@ -100,8 +100,8 @@ def block(length: int) -> None:
         both = jax.jit(lambda q, k, v, attention=attention: jax.vjp(attention, q, k, v)[1](d_out))
         ms = [measure(lambda f=f: f(q, k, v), jax.block_until_ready, time_cap_s=1.5)["ms"] for f in (forward, both)]
         results[query_block] = [np.asarray(x.astype(jnp.float32)) for x in (forward(q, k, v), *both(q, k, v))]
-        diff = [float(np.abs(a - b).max()) for a, b in zip(results[query_block], results[1])]
-        print(f"Q={query_block:3d} forward {ms[0]:.3f} ms  forward+backward {ms[1]:.3f} ms  max|d| vs Q=1: "
+        diff = [float(np.abs(a - b).max()) for a, b in zip(results[query_block], results[query_blocks[0]])]
+        print(f"Q={query_block:3d} forward {ms[0]:.3f} ms  forward+backward {ms[1]:.3f} ms  max|d| vs Q={query_blocks[0]}: "
               f"out {diff[0]:.2e} dq {diff[1]:.2e} dk {diff[2]:.2e} dv {diff[3]:.2e}", flush=True)
 
 
@@ -110,13 +110,14 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=65536)
     parser.add_argument("--rounds", type=int, default=2, help="rounds of the gated A/B")
     parser.add_argument("--cases", default="gated,block")
+    parser.add_argument("--query-blocks", default="1,16,64", help="Q of the block case's selections (1: per token)")
     args = parser.parse_args()
     print(f"ab_selection_paths: T={args.length} B=1 HQ={HQ} HKV={HKV} D={D} bfloat16, {S} blocks of {BLOCK}, "
           f"device {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
     if "gated" in args.cases:
         gated(args.length, args.rounds)
     if "block" in args.cases:
-        block(args.length)
+        block(args.length, [int(x) for x in args.query_blocks.split(",")])
 
 
 if __name__ == "__main__":
