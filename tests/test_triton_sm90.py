@@ -22,17 +22,23 @@ HERE = Path(__file__).resolve().parent
 SM90_SHARED_BYTES = 232448
 
 BENCHMARK = {"batch": 1, "seq_len": 4096, "heads_q": 64, "heads_kv": 4, "head_dim": 128, "dtype": "bfloat16"}
+PER_BLOCK = (
+    "pattern p\nblock 64\ncausal\nbranch cmp = compress(block=64, stride=64) gate g_cmp\n"
+    "branch slc = topk(16, block=64, score=cmp, force=local(1)) per block(64) gate g_slc\n"
+)
 CASES = {
     # Full NSA (compression, top-k, selection, window) and explicit selection at the benchmark's shape.
     "benchmark shape, bfloat16": [{"pattern": "nsa.nsa", **BENCHMARK}, {"selection": True, **BENCHMARK}],
     # Static patterns with fused and tabled launches; NSA in float32 (half the rows per tile) and
-    # without GQA; the widest float32 heads of explicit selection.
+    # without GQA; the widest float32 heads of explicit selection and of a `per block(Q)` selection
+    # (64 KB of group rows beside a 128 KB key block a step).
     "static patterns, float16 and float32": [
         {"pattern": "bigbird.nsa", **BENCHMARK, "head_dim": 64},
         {"pattern": "longformer.nsa", **BENCHMARK, "head_dim": 96, "dtype": "float16"},
         {"pattern": "nsa_meanpool.nsa", **BENCHMARK, "heads_q": 12, "head_dim": 100, "dtype": "float32"},
         {"pattern": "nsa.nsa", **BENCHMARK, "heads_q": 4, "head_dim": 64},  # no GQA: a tile of 64 tokens
         {"selection": True, **BENCHMARK, "heads_q": 16, "heads_kv": 1, "head_dim": 256, "dtype": "float32"},
+        {"pattern": PER_BLOCK, **BENCHMARK, "heads_q": 16, "heads_kv": 1, "head_dim": 256, "dtype": "float32"},
     ],
 }
 
