@@ -101,8 +101,8 @@ def block(length: int, query_blocks: list[int]) -> None:
         ms = [measure(lambda f=f: f(q, k, v), jax.block_until_ready, time_cap_s=1.5)["ms"] for f in (forward, both)]
         results[query_block] = [np.asarray(x.astype(jnp.float32)) for x in (forward(q, k, v), *both(q, k, v))]
         diff = [float(np.abs(a - b).max()) for a, b in zip(results[query_block], results[query_blocks[0]])]
-        print(f"Q={query_block:3d} forward {ms[0]:.3f} ms  forward+backward {ms[1]:.3f} ms  max|d| vs Q={query_blocks[0]}: "
-              f"out {diff[0]:.2e} dq {diff[1]:.2e} dk {diff[2]:.2e} dv {diff[3]:.2e}", flush=True)
+        print(f"Q={query_block:3d} forward {ms[0]:.3f} ms  forward+backward {ms[1]:.3f} ms  "
+              f"max|d| vs Q={query_blocks[0]}: out {diff[0]:.2e} dq {diff[1]:.2e} dk {diff[2]:.2e} dv {diff[3]:.2e}", flush=True)
 
 
 def main() -> None:
