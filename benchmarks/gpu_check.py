@@ -15,7 +15,8 @@ Run on a machine with a GPU build of jax, triton and jax-triton, from the reposi
    the paper's and the mean-pooled configuration, selection per block of queries, packed
    sequences) against tests/nsa_reference.py: the selected blocks' reference scores ("sel": the
    largest gap to the reference's best), outputs and gradients. Reported as max |error| /
-   max |reference| per output.
+   max |reference| per output; "repeat": a second backward's largest difference from the first,
+   which must be 0 (the backward uses no atomics: bitwise the same gradients every run).
 2. With --tune T: where the time of a selection call goes, and each kernel's tile size and
    launch settings, at length T.
 3. With --platforms triton,pallas: the correctness table for each platform in turn (pallas:
@@ -111,6 +112,7 @@ def check_case(name, dtype, B, T, HQ, HKV, D, S, block, cu, platform="triton") -
 
     out, vjp = jax.vjp(jax.jit(f), cast(q), cast(k), cast(v), cast(gate))
     grads = vjp(cast(d_out))
+    repeat = repeat_gap(grads, vjp(cast(d_out)))
     undifferentiated = jax.jit(f)(cast(q), cast(k), cast(v), cast(gate))
     mask = reference.selection_mask(indices, counts, block, cu)
     scale = 1.0 / math.sqrt(D)
@@ -124,7 +126,7 @@ def check_case(name, dtype, B, T, HQ, HKV, D, S, block, cu, platform="triton") -
         "dv": (grads[2], expected["v"]),
         "dgate": (grads[3], expected["gates"][0]),
     }
-    return relative_errors(pairs)
+    return {**relative_errors(pairs), "repeat": repeat}
 
 
 def static_pattern(name):
@@ -174,6 +176,7 @@ class PatternRun(NamedTuple):
     out: jax.Array
     grads: tuple
     undifferentiated: jax.Array
+    repeat: float  # repeat_gap of a second backward
 
 
 def run_pattern(attention, gate_names, name, dtype, B, T, HQ, HKV, D, cu, platform) -> PatternRun:
@@ -190,7 +193,19 @@ def run_pattern(attention, gate_names, name, dtype, B, T, HQ, HKV, D, cu, platfo
 
     inputs = (cast(q), cast(k), cast(v), *(cast(gates[n]) for n in gate_names))
     out, vjp = jax.vjp(jax.jit(f), *inputs)
-    return PatternRun(q, k, v, d_out, gates, cu_arg, out, vjp(cast(d_out)), jax.jit(f)(*inputs))
+    grads = vjp(cast(d_out))
+    repeat = repeat_gap(grads, vjp(cast(d_out)))
+    return PatternRun(q, k, v, d_out, gates, cu_arg, out, grads, jax.jit(f)(*inputs), repeat)
+
+
+def repeat_gap(grads, again) -> float:
+    """The backward is deterministic (no atomics): the largest difference between two runs' gradients
+    relative to the largest gradient, 0.0 when they are bitwise equal."""
+    gaps = []
+    for a, b in zip(grads, again):
+        a, b = (np.asarray(jnp.asarray(x, jnp.float32)) for x in (a, b))
+        gaps.append(float(np.abs(a - b).max() / max(np.abs(a).max(), 1e-30)))
+    return max(gaps, default=0.0)
 
 
 def check_static_case(name, dtype, B, T, HQ, HKV, D, cu, platform="triton") -> dict:
@@ -212,7 +227,7 @@ def check_static_case(name, dtype, B, T, HQ, HKV, D, cu, platform="triton") -> d
     }
     if gate_names:
         pairs["dgate"] = (grads[3], next(g for g in expected["gates"] if g is not None))
-    return relative_errors(pairs)
+    return {**relative_errors(pairs), "repeat": run.repeat}
 
 
 def relative_errors(pairs) -> dict:
@@ -289,12 +304,13 @@ def check_nsa_case(name, dtype, B, T, HQ, HKV, D, cu, platform="pallas") -> dict
     pairs = {"o": (out, expected), "o nograd": (run.undifferentiated, expected), "dq": (grads[0], wanted["q"]),
              "dk": (grads[1], wanted["k"]), "dv": (grads[2], wanted["v"])}
     pairs["dgate"] = (grads[3], wanted[gate_names[0]])
-    return {**relative_errors(pairs), "sel": selection_gap}
+    return {**relative_errors(pairs), "sel": selection_gap, "repeat": run.repeat}
 
 
 def run_correctness(dtypes, only=None, platform="triton") -> list[dict]:
     log(f"\n== correctness: {platform} platform vs float64 reference (max |error| / max |reference|) ==")
-    log(f"{'case':<18} {'dtype':<9} {'o':>9} {'o nograd':>9} {'dq':>9} {'dk':>9} {'dv':>9} {'dgate':>9}  verdict")
+    log(f"{'case':<18} {'dtype':<9} {'o':>9} {'o nograd':>9} {'dq':>9} {'dk':>9} {'dv':>9} {'dgate':>9} {'repeat':>9}"
+        "  verdict (repeat: a second backward's largest difference, must be 0)")
     cases = [("selection", case) for case in CORRECTNESS_CASES] + [("static", case) for case in STATIC_CASES]
     cases += [("nsa", case) for case in NSA_CASES]
     cases = [(kind, case) for kind, case in cases if only is None or case[0] in only]
@@ -316,9 +332,10 @@ def run_correctness(dtypes, only=None, platform="triton") -> list[dict]:
                 errors = check()
                 row["errors"] = errors
                 row["seconds"] = time.perf_counter() - started
-                row["ok"] = all(e <= TOLERANCE[dtype] for e in errors.values())
+                accurate = all(e <= TOLERANCE[dtype] for key, e in errors.items() if key != "repeat")
+                row["ok"] = accurate and errors["repeat"] == 0.0
                 cells = " ".join(f"{errors[k]:9.2e}" if k in errors else f"{'-':>9}"
-                                 for k in ("o", "o nograd", "dq", "dk", "dv", "dgate"))
+                                 for k in ("o", "o nograd", "dq", "dk", "dv", "dgate", "repeat"))
                 log(f"{name:<18} {dtype:<9} {cells}  {'ok' if row['ok'] else 'FAIL'} ({row['seconds']:.1f} s)")
             except Exception as err:  # noqa: BLE001 - report and go on
                 row["ok"] = False
