@@ -4,6 +4,8 @@ selections and the selection transposed into per-key-block lists."""
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -52,6 +54,38 @@ def test_key_blocks_never_cross_a_sequence():
     assert got[: len(expected)] == expected
     assert all(first == end for first, end in got[len(expected):])  # padding blocks are empty
     assert np.asarray(blocks.seq_first).tolist() == [0, 1, 3, 5]
+
+
+@pytest.mark.parametrize("block, stride, rows", [
+    (8, 3, None),  # key rows pooled by up to 3 compressed rows, the stride not dividing the block
+    (8, 8, None),
+    (6, 4, (4, 7)),  # a compressed cache's rows: 7 rows from row 4
+])
+def test_pooling_gradient_is_the_pooling_transposed_without_scatter(rng, block, stride, rows):
+    """pool_compressed's gradient is P^T (P: the mean-pooling matrix, built here by a loop over the
+    definition), summed by gathers: XLA's scatter-add adds repeats with atomics on a GPU, in an
+    order that differs between runs, and a backward must give the same gradients every time."""
+    offsets = layout.sequence_offsets(np.array(CU_SEQLENS), 1, TOTAL)
+    count = layout.compressed_rows(TOTAL, len(CU_SEQLENS) - 1, stride)
+    first, count = rows if rows is not None else (0, count)
+    pooling = np.zeros((count, TOTAL))
+    row = 0
+    for start, end in zip(CU_SEQLENS[:-1], CU_SEQLENS[1:]):
+        for i in range(max(end - start - block, -1) // stride + 1):
+            if 0 <= row - first < count:
+                pooling[row - first, start + i * stride:start + i * stride + block] = 1 / block
+            row += 1
+    k, v = rng.normal(size=(2, TOTAL, 2, 5)).astype(np.float32)
+    weights = rng.normal(size=(2, count, 2, 5)).astype(np.float32)
+
+    def weighed(k, v):
+        pooled = layout.pool_compressed(k, v, offsets, block, stride, rows=None if rows is None else (jnp.int32(first), count))
+        return jnp.sum(pooled.k * weights[0]) + jnp.sum(pooled.v * weights[1])
+
+    d_k, d_v = jax.grad(weighed, argnums=(0, 1))(k, v)
+    np.testing.assert_allclose(d_k, np.einsum("rt,rhd->thd", pooling, weights[0]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(d_v, np.einsum("rt,rhd->thd", pooling, weights[1]), rtol=1e-5, atol=1e-6)
+    assert "scatter" not in str(jax.make_jaxpr(jax.grad(weighed, argnums=(0, 1)))(k, v))
 
 
 def test_clean_selection_keeps_exactly_the_entries_that_count(rng):

@@ -283,3 +283,18 @@ def test_keep_best_keeps_the_highest_keys_of_every_chunk(rng):
     walk_chunks[(rows // 4,)](
         triton_glue.HostBuffer(keys), triton_glue.HostBuffer(kept), module.keep_best, chunks, chunk, count)
     np.testing.assert_array_equal(kept, -np.sort(-keys, axis=1)[:, :count])
+
+
+@pytest.mark.parametrize("platform", ["triton", "pallas"])
+def test_backward_traces_no_scatter_add(rng, platform):
+    """The paper's NSA scaled down (compressed blocks overlapping: stride 4 < block 8), packed sequences: its
+    backward is kernels and gathers only. XLA's scatter-add sums repeated indices with atomics on a
+    GPU, so two backward passes would differ (gpu_check's "repeat" column found the pooling's)."""
+    source, _ = small_example("nsa")
+    attn = nsa_dsl.compile(source)
+    q, k, v = qkv(rng, 1, 70, 4, 2, 32)
+    g = {name: gate(rng, 1, 70, 4) for name in ("g_cmp", "g_slc", "g_swa")}
+    cu = np.array([0, 29, 70], np.int32)
+    loss = lambda q, k, v, g: jnp.sum(attn(q, k, v, cu_seqlens=cu, platform=platform, **g) * q)  # noqa: E731
+    backward = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, g))
+    assert "scatter" not in backward

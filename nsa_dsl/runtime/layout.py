@@ -367,6 +367,55 @@ def compressed_rows(keys: int, num_seqs: int, stride: int) -> int:
     return keys // stride + num_seqs
 
 
+def _pooled_tokens(offsets, cmp_offsets, first, count: int, block: int, stride: int) -> jax.Array:
+    """[count, block] int32: the key rows that compressed rows [first, first + count) pool."""
+    num_seqs = offsets.shape[0] - 1
+    row = first + jnp.arange(count, dtype=jnp.int32)
+    seq = jnp.clip(search_sorted(cmp_offsets[1:], row, side="right"), 0, num_seqs - 1)
+    return (offsets[seq] + (row - cmp_offsets[seq]) * stride)[:, None] + jnp.arange(block, dtype=jnp.int32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def pooled_blocks(k, v, offsets, cmp_offsets, first, count: int, block: int, stride: int):
+    """The tokens compressed rows [first, first + count) pool: [count, block, HKV, D] float32 of
+    k and of v (rows past the last sequence's keys read clipped rows; pool_compressed zeroes them).
+    Its gradient gathers rather than scatter-adds: with stride < block a key row is pooled by up to
+    ceil(block / stride) compressed rows, and XLA's scatter-add sums such repeats with atomics on a
+    GPU, in an order that changes from run to run; each key row sums its own in a fixed order."""
+    tokens = _pooled_tokens(offsets, cmp_offsets, first, count, block, stride)
+    return tuple(jnp.take(x, tokens, axis=0, mode="clip").astype(jnp.float32) for x in (k, v))
+
+
+def _pooled_blocks_forward(k, v, offsets, cmp_offsets, first, count, block, stride):
+    key_rows = jnp.zeros((k.shape[0], 0), k.dtype)  # the gradient's rows and dtype, holding nothing
+    residuals = (key_rows, offsets, cmp_offsets, first)
+    return pooled_blocks(k, v, offsets, cmp_offsets, first, count, block, stride), residuals
+
+
+def _pooled_blocks_backward(count, block, stride, residuals, d_blocks):
+    key_rows, offsets, cmp_offsets, first = residuals
+    keys, num_seqs = key_rows.shape[0], offsets.shape[0] - 1
+    key_row = jnp.arange(keys, dtype=jnp.int32)
+    seq = jnp.clip(search_sorted(offsets[1:], key_row, side="right"), 0, num_seqs - 1)
+    pos = key_row - offsets[seq]
+    d_kv = [jnp.zeros((keys, *d.shape[2:]), jnp.float32) for d in d_blocks]
+    for behind in range(-(-block // stride)):  # the rows pooling pos: the one starting at or before it, and earlier
+        local = pos // stride - behind
+        column = pos - local * stride
+        row = cmp_offsets[seq] + local - first
+        held = (local >= 0) & (local < cmp_offsets[seq + 1] - cmp_offsets[seq]) & (column < block)
+        held &= (row >= 0) & (row < count)
+        flat = jnp.where(held, row * block + column, 0)
+        for i, d in enumerate(d_blocks):
+            taken = jnp.take(d.reshape(count * block, *d.shape[2:]), flat, axis=0)
+            d_kv[i] = d_kv[i] + jnp.where(held[:, None, None], taken, 0)
+    d_k, d_v = (d.astype(key_rows.dtype) for d in d_kv)
+    return d_k, d_v, None, None, None
+
+
+pooled_blocks.defvjp(_pooled_blocks_forward, _pooled_blocks_backward)
+
+
 def pool_compressed(
     k, v, offsets: jax.Array, block: int, stride: int, pool_fn=None, dtype=jnp.float32, rows=None
 ) -> Compressed:
@@ -381,9 +430,7 @@ def pool_compressed(
     cmp_offsets = compressed_offsets(offsets, block, stride)
     first, count = rows if rows is not None else (0, compressed_rows(k.shape[0], num_seqs, stride))
     row = first + jnp.arange(count, dtype=jnp.int32)
-    seq = jnp.clip(search_sorted(cmp_offsets[1:], row, side="right"), 0, num_seqs - 1)
-    tokens = (offsets[seq] + (row - cmp_offsets[seq]) * stride)[:, None] + jnp.arange(block)
-    k_blocks, v_blocks = (jnp.take(x, tokens, axis=0, mode="clip").astype(jnp.float32) for x in (k, v))
+    k_blocks, v_blocks = pooled_blocks(k, v, offsets, cmp_offsets, first, count, block, stride)
     k_cmp, v_cmp = (k_blocks.mean(axis=1), v_blocks.mean(axis=1)) if pool_fn is None else pool_fn(k_blocks, v_blocks)
     live = (row < cmp_offsets[-1])[:, None, None]  # rows past every sequence's keys: zeros, whatever the tokens
     return Compressed(*(jnp.where(live, x, 0).astype(dtype) for x in (k_cmp, v_cmp)), cmp_offsets)
