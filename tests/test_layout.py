@@ -78,8 +78,10 @@ def test_pooling_gradient_is_the_pooling_transposed_without_scatter(rng, block, 
     k, v = rng.normal(size=(2, TOTAL, 2, 5)).astype(np.float32)
     weights = rng.normal(size=(2, count, 2, 5)).astype(np.float32)
 
+    traced_rows = None if rows is None else (jnp.int32(first), count)
+
     def weighed(k, v):
-        pooled = layout.pool_compressed(k, v, offsets, block, stride, rows=None if rows is None else (jnp.int32(first), count))
+        pooled = layout.pool_compressed(k, v, offsets, block, stride, rows=traced_rows)
         return jnp.sum(pooled.k * weights[0]) + jnp.sum(pooled.v * weights[1])
 
     d_k, d_v = jax.grad(weighed, argnums=(0, 1))(k, v)
