@@ -286,7 +286,7 @@ def test_keep_best_keeps_the_highest_keys_of_every_chunk(rng):
 
 
 @pytest.mark.parametrize("platform", ["triton", "pallas"])
-def test_backward_traces_no_scatter_add(rng, platform):
+def test_backward_traces_no_scatter(rng, platform):
     """The paper's NSA scaled down (compressed blocks overlapping: stride 4 < block 8), packed sequences: its
     backward is kernels and gathers only. XLA's scatter-add sums repeated indices with atomics on a
     GPU, so two backward passes would differ (gpu_check's "repeat" column found the pooling's)."""
