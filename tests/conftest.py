@@ -99,22 +99,27 @@ def recomputed_scores(monkeypatch):
     jax.clear_caches()
 
 
-def launched_triton_kernels(monkeypatch, run) -> list[str]:
-    """The Triton kernels (by name) that `run()` launches, in order: while jax traces them, the
-    launches a jitted program will make."""
+def triton_launches(monkeypatch, run) -> list[tuple[str, tuple]]:
+    """(kernel name, grid) of the Triton launches `run()` makes, in order: while jax traces them,
+    the launches a jitted program will make."""
     from nsa_dsl.runtime import triton_glue
 
-    names = []
+    launches = []
     launch = triton_glue.launch
 
-    def recording(kernel, *args, **kwargs):
-        names.append(kernel.__name__)
-        return launch(kernel, *args, **kwargs)
+    def recording(kernel, grid, *args, **kwargs):
+        launches.append((kernel.__name__, tuple(grid)))
+        return launch(kernel, grid, *args, **kwargs)
 
     with monkeypatch.context() as patch:
         patch.setattr(triton_glue, "launch", recording)
         run()
-    return names
+    return launches
+
+
+def launched_triton_kernels(monkeypatch, run) -> list[str]:
+    """The Triton kernels (by name) that `run()` launches, in order (triton_launches)."""
+    return [name for name, _ in triton_launches(monkeypatch, run)]
 
 
 def relative_error(actual, expected) -> float:

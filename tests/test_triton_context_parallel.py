@@ -44,6 +44,7 @@ from conftest import (
     normal,
     qkv,
     random_indices,
+    triton_launches,
 )
 from nsa_reference import NsaSpec, chosen_scores, nsa_gradients, nsa_reference
 
@@ -227,6 +228,28 @@ def test_range_branches_on_packed_sequences_straddling_shards(rng):
     output = check_every_shard(rng, static_attention(plan, cu), q, k, v, gates, shards(0, 32, 50, 51, 96, 127, 128),
                                expected, gradients)
     assert not output[:, 119:].any(), "rows in no sequence attend to nothing: zeros"
+
+
+def test_decoding_steps_split_the_range_walks(rng, monkeypatch):
+    """A decoding step's query (shards of one row, and of three) walks its keys in shares, a program
+    each, merged as one walk would have (the launch has a few programs): a window with a global
+    prefix and a stride progression in one branch, on packed sequences, and `causal`, whose
+    walk is the whole sequence; outputs and gradients against the reference."""
+    for source in (
+        f"pattern ranged\nblock {BLOCK}\ncausal\nbranch swa = window(20) | global(first=1) | stride(every=3, offset=1) gate g_swa\n",
+        f"pattern dense\nblock {BLOCK}\ncausal\nbranch all = local(2147483647) gate g_swa\n",
+    ):
+        plan = nsa_dsl.compile(source).plan
+        seq_len, heads_q, heads_kv, head_dim = 128, 4, 2, 16
+        cu = np.array([0, 21, 128], np.int32) if "ranged" in source else None
+        q, k, v = qkv(rng, 1, seq_len, heads_q, heads_kv, head_dim)
+        gates = {"g_swa": gate(rng, 1, seq_len, heads_q)}
+        expected, gradients = static_reference(plan, q, k, v, gates, cu)
+        launches = triton_launches(monkeypatch, lambda: check_every_shard(
+            rng, static_attention(plan, cu, SMALL_TILES), q, k, v, gates, shards(0, 100, 101, 124, 127, 128), expected,
+            gradients))
+        splits = {grid[2] for name, grid in launches if name.startswith("static_forward")}
+        assert max(splits) > 1, (source, launches)
 
 
 def test_table_branches_bidirectional_float16_uneven_shards(rng):

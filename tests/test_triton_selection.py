@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import check_selection_against_reference, gate, qkv, random_indices
+from conftest import check_selection_against_reference, gate, qkv, random_indices, triton_launches
 
 import nsa_dsl
 from nsa_dsl.runtime import triton_glue
@@ -22,8 +22,8 @@ from nsa_dsl.runtime import triton_glue
 TOLERANCE = {np.float32: 2e-5, np.float16: 5e-3}
 
 
-def selection(q, k, v, g_slc, indices, counts, block, cu_seqlens=None, scale=None):
-    cfg = nsa_dsl.NativeSparseAttentionConfig(block_size=block)
+def selection(q, k, v, g_slc, indices, counts, block, cu_seqlens=None, scale=None, block_k=None):
+    cfg = nsa_dsl.NativeSparseAttentionConfig(block_size=block, block_k=block_k)
     return nsa_dsl.native_sparse_attention(
         q, k, v, None, g_slc, indices, counts, cu_seqlens, softmax_scale=scale, platform="triton", cfg=cfg
     )
@@ -50,6 +50,25 @@ def test_forward_and_gradients(rng, dtype, batch, seq_len, heads_q, heads_kv, he
     counts = rng.integers(0, width + 1, (batch, seq_len, heads_kv)).astype(np.int32) if per_token_counts else width - 1
     g_slc = gate(rng, batch, seq_len, heads_q).astype(dtype)
     check_forward_and_gradients(rng, q, k, v, g_slc, indices, counts, block)
+
+
+@pytest.mark.parametrize("dtype, cu_seqlens", [(np.float32, None), (np.float16, np.array([0, 7, 23, 40], np.int32))])
+def test_few_programs_split_their_walks_over_the_selected_blocks(rng, monkeypatch, dtype, cu_seqlens):
+    """A launch of few programs (a decoding step's: here 2 x 20 tokens of one KV head) splits each
+    token's walk over its selected blocks into shares, a program each (6 blocks, one a step:
+    6 shares), merged as one walk would have: the reference's output, differentiated (the
+    selection's own output and lse) and not (the gated output summed after the merge); with
+    counts of 0 to 6 (shares that see nothing) and packed sequences (rows of none)."""
+    batch = 1 if cu_seqlens is not None else 2
+    q, k, v = qkv(rng, batch, 40 // batch, 4, 1, 32, dtype=dtype)
+    indices = random_indices(rng, batch, 40 // batch, 1, 6, 8, cu_seqlens)
+    counts = rng.integers(0, 7, (batch, 40 // batch, 1)).astype(np.int32)
+    g_slc = gate(rng, batch, 40 // batch, 4).astype(dtype)
+    tolerance = TOLERANCE[q.dtype.type]
+    launches = triton_launches(monkeypatch, lambda: check_selection_against_reference(
+        rng, lambda *a: selection(*a, block_k=16), q, k, v, g_slc, indices, counts, 8, cu_seqlens, (tolerance, tolerance)
+    ))
+    assert {grid[2] for name, grid in launches if name == "selection_forward"} == {6}, launches
 
 
 @pytest.mark.parametrize(
