@@ -57,7 +57,7 @@ def test_few_programs_split_their_walks_over_the_selected_blocks(rng, monkeypatc
     """A launch of few programs (a decoding step's: here 2 x 20 tokens of one KV head) splits each
     token's walk over its selected blocks into shares, a program each (6 blocks, one a step:
     6 shares), merged as one walk would have: the reference's output, differentiated (the
-    selection's own output and lse) and not (the gated output summed after the merge); with
+    selection's own output and lse) and not (gated_merge: the shares merged as the gate applies); with
     counts of 0 to 6 (shares that see nothing) and packed sequences (rows of none)."""
     batch = 1 if cu_seqlens is not None else 2
     q, k, v = qkv(rng, batch, 40 // batch, 4, 1, 32, dtype=dtype)
@@ -69,6 +69,7 @@ def test_few_programs_split_their_walks_over_the_selected_blocks(rng, monkeypatc
         rng, lambda *a: selection(*a, block_k=16), q, k, v, g_slc, indices, counts, 8, cu_seqlens, (tolerance, tolerance)
     ))
     assert {grid[2] for name, grid in launches if name == "selection_forward"} == {6}, launches
+    assert "gated_merge" in {name for name, _ in launches}, "not differentiated: the shares merge as the gate applies"
 
 
 @pytest.mark.parametrize(
