@@ -55,20 +55,22 @@ def test_forward_and_gradients(rng, dtype, batch, seq_len, heads_q, heads_kv, he
 @pytest.mark.parametrize("dtype, cu_seqlens", [(np.float32, None), (np.float16, np.array([0, 7, 23, 40], np.int32))])
 def test_few_programs_split_their_walks_over_the_selected_blocks(rng, monkeypatch, dtype, cu_seqlens):
     """A launch of few programs (a decoding step's: here 2 x 20 tokens of one KV head) splits each
-    token's walk over its selected blocks into shares, a program each (6 blocks, one a step:
-    6 shares), merged as one walk would have: the reference's output, differentiated (the
+    token's walk over its selected blocks into shares, a program each (17 entries, one a step:
+    2 shares of at least SELECTION_MIN_SPLIT_STEPS = 8), merged as one walk would have: the
+    reference's output, differentiated (the
     selection's own output and lse) and not (gated_merge: the shares merged as the gate applies); with
-    counts of 0 to 6 (shares that see nothing) and packed sequences (rows of none)."""
+    counts of 0 to 17 (shares that see nothing), entries past the blocks there are, and packed
+    sequences (rows of none)."""
     batch = 1 if cu_seqlens is not None else 2
     q, k, v = qkv(rng, batch, 40 // batch, 4, 1, 32, dtype=dtype)
-    indices = random_indices(rng, batch, 40 // batch, 1, 6, 8, cu_seqlens)
-    counts = rng.integers(0, 7, (batch, 40 // batch, 1)).astype(np.int32)
+    indices = random_indices(rng, batch, 40 // batch, 1, 17, 8, cu_seqlens)
+    counts = rng.integers(0, 18, (batch, 40 // batch, 1)).astype(np.int32)
     g_slc = gate(rng, batch, 40 // batch, 4).astype(dtype)
     tolerance = TOLERANCE[q.dtype.type]
     launches = triton_launches(monkeypatch, lambda: check_selection_against_reference(
         rng, lambda *a: selection(*a, block_k=16), q, k, v, g_slc, indices, counts, 8, cu_seqlens, (tolerance, tolerance)
     ))
-    assert {grid[2] for name, grid in launches if name == "selection_forward"} == {6}, launches
+    assert {grid[2] for name, grid in launches if name == "selection_forward"} == {2}, launches
     assert "gated_merge" in {name for name, _ in launches}, "not differentiated: the shares merge as the gate applies"
 
 
