@@ -236,7 +236,8 @@ def test_decoding_steps_split_the_range_walks(rng, monkeypatch):
     prefix and a stride progression in one branch, on packed sequences, and `causal`, whose
     walk is the whole sequence; outputs and gradients against the reference."""
     for source in (
-        f"pattern ranged\nblock {BLOCK}\ncausal\nbranch swa = window(20) | global(first=1) | stride(every=3, offset=1) gate g_swa\n",
+        f"pattern ranged\nblock {BLOCK}\ncausal\n"
+        "branch swa = window(20) | global(first=1) | stride(every=3, offset=1) gate g_swa\n",
         f"pattern dense\nblock {BLOCK}\ncausal\nbranch all = local(2147483647) gate g_swa\n",
     ):
         plan = nsa_dsl.compile(source).plan

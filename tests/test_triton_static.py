@@ -158,6 +158,21 @@ def test_tiles_shrink_to_fit_wide_heads_and_float32_in_shared_memory():
     assert module.range_settings(spec, "static_forward", "bfloat16")["BLOCK_M"] == module.STATIC_TILES["static_forward"][0]
 
 
+def test_a_decoding_steps_tiles_hold_the_groups_heads():
+    """Queries that are a shard of few rows a batch row (a decoding step's one) take query tiles of
+    that many rows and more of the group's heads, as many tile rows and 16 at least (tl.dot's):
+    not 128 positions of which one holds a query."""
+    plan = compiled([W(MAX_TOKENS)], block=64).plan
+    module = codegen.load_module("triton", plan, None)
+    cases = ((16, 1, 1, 16), (4, 1, 4, 4), (1, 1, 16, 1), (16, 3, 4, 16), (16, 0, 128, 1))
+    for group, shard_rows, rows, heads in cases:
+        spec = module.Static(module.static_kernels_b0, 2, group, 64, False, shard_rows=shard_rows)
+        for kernel in ("static_forward", "static_backward_dq"):
+            settings = module.range_settings(spec, kernel, "float16")
+            assert (settings["BLOCK_M"], settings["HEADS"]) == (rows, heads), (group, shard_rows, kernel, settings)
+            assert settings["CHUNKS"] == -(-group // heads)
+
+
 # ---- range branches ----------------------------------------------------------------------------
 
 
