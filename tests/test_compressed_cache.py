@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import FORWARD_TOLERANCE, assert_close, gate, qkv
+from conftest import FORWARD_TOLERANCE, assert_close, gate, qkv, triton_launches
 from nsa_reference import chosen_scores, nsa_gradients, nsa_reference, small_example
 
 import nsa_dsl
@@ -204,12 +204,20 @@ def test_decoding_sequences_at_positions_of_their_own(rng, platform):
             np.testing.assert_allclose(np.asarray(part), np.asarray(whole), rtol=1e-6, atol=1e-6)
 
 
-def test_triton_decoding_splits_the_walks_over_keys(rng):
-    """A decoding step's few programs split the compression's and the top-k's walks over a long
-    sequence's keys into shares (600 tokens, 16 keys a step: 2 shares of the compression's 151
-    keys, 3 of the top-k's 38 blocks), combined as one walk would have: the reference's output."""
+def test_triton_decoding_splits_the_walks_over_keys(rng, monkeypatch):
+    """A decoding step's few programs split the compression's and the top-k's walks over long
+    sequences' keys into shares (3 sequences of 600 tokens, 16 keys a step: 2 shares of each
+    sequence's 151 compressed keys, 3 of the top-k's 38 blocks), combined as one walk would have:
+    the reference's output. The compression's tiles hold one sequence's query (its group's 2
+    heads, padded to tl.dot's 16 rows) rather than all three, whose walk would cover all three
+    sequences' keys, each share a third of them."""
     config = nsa_dsl.NativeSparseAttentionConfig(block_k=16)
-    check_decoding(rng, "triton", batch=1, seq_len=600, positions=(120, 377, 599), heads_kv=1, config=config)
+    launches = triton_launches(monkeypatch, lambda: check_decoding(
+        rng, "triton", batch=3, seq_len=600, positions=(120, 377, 599), heads_q=4, heads_kv=2, config=config))
+    grids = {grid for name, grid in launches if name == "compression_forward"}
+    assert grids == {(3, 2, 2)}, grids
+    shares = {grid[1:] for name, grid in launches if name == "topk_selection"}
+    assert shares == {(2, 3)}, shares
 
 
 def test_xla_decoding_gathers_only_the_blocks_it_reads(rng, monkeypatch):
