@@ -123,7 +123,9 @@ def test_a_triton_decoding_step_has_no_loops(rng):
 def test_a_half_precision_cache_holds_what_a_call_pools(rng, platform):
     """Keys in float16: the cache is float16 (half the bytes a step reads), and a decoding step of
     three sequences at positions of their own reading it in place outputs exactly what the same
-    call outputs pooling the keys itself, which rounds the pooled keys to float16 too."""
+    call outputs pooling the keys itself, which rounds the pooled keys to float16 too. The Triton
+    kernels read the float16 gates as they are: no conversion of them runs before the kernels
+    (on a GPU, each is another small kernel of the step)."""
     source, _ = small_example("nsa")
     attention = nsa_dsl.compile(source)
     q, k, v = (x.astype(np.float16) for x in qkv(rng, 3, 75, 4, 2, 16))
@@ -134,6 +136,10 @@ def test_a_half_precision_cache_holds_what_a_call_pools(rng, platform):
     q_new = jnp.take_along_axis(jnp.asarray(q), positions[:, None, None, None], axis=1)
     cached = attention(q_new, k, v, query_offset=positions, compressed=cache, platform=platform, **gates)
     pooled = attention(q_new, k, v, query_offset=positions, platform=platform, **gates)
+    if platform == "triton":
+        step = jax.make_jaxpr(lambda gates: attention(q_new, k, v, query_offset=positions, compressed=cache,
+                                                      platform=platform, **gates))(gates)
+        assert not re.search(r"f32\[3,4,1\] = convert_element_type", str(step)), "a gate converted"
     assert np.abs(np.asarray(pooled, np.float32)).max() > 0
     np.testing.assert_array_equal(np.asarray(cached), np.asarray(pooled))
 
