@@ -40,6 +40,12 @@ CASES = {
         {"selection": True, **BENCHMARK, "heads_q": 16, "heads_kv": 1, "head_dim": 256, "dtype": "float32"},
         {"pattern": PER_BLOCK, **BENCHMARK, "heads_q": 16, "heads_kv": 1, "head_dim": 256, "dtype": "float32"},
     ],
+    # Decoding steps of 8 sequences: tiles of one query row and a group's heads (padded to 16 rows for
+    # GQA 4), walks split into shares.
+    "decoding steps": [
+        {"pattern": "nsa.nsa", **BENCHMARK, "batch": 8, "decode": True},
+        {"pattern": "nsa.nsa", **BENCHMARK, "batch": 8, "heads_q": 16, "dtype": "float16", "decode": True},
+    ],
 }
 
 
@@ -73,6 +79,8 @@ def test_every_kernel_compiles_for_sm90_within_shared_memory(compiled, group):
     too_big = [f"{k['kernel']}: {k['shared']} bytes" for k in kernels if k["shared"] > SM90_SHARED_BYTES]
     assert not too_big, f"more shared memory than an sm_90 block may have ({SM90_SHARED_BYTES} bytes): {too_big}"
     names = {k["kernel"] for k in kernels}
+    if group == "decoding steps":
+        assert {"compression_forward", "topk_selection", "gated_selection_forward"} <= names
     if group.startswith("benchmark"):
         assert {
             "compression_forward", "topk_selection", "selection_forward", "selection_backward_dkdv",

@@ -6,8 +6,9 @@ be imported without TRITON_INTERPRET, which nsa_dsl would otherwise switch on he
 
 SPEC_JSON: a list of {"pattern": .nsa text or an examples/ file, "batch", "seq_len", "heads_q",
 "heads_kv", "head_dim", "dtype", "selection": true for native_sparse_attention's explicit
-block_indices}. Each case's forward and backward (both orders of the selection backward) are
-traced (not run): every `triton_glue.launch`
+block_indices, "decode": true for a decoding step}. Each case's forward and backward (both orders
+of the selection backward) are traced (not run), or a decoding step's forward (one query a batch
+row at its last key row, reading a compressed cache): every `triton_glue.launch`
 is recorded with the argument types jax-triton would give the kernel (pointers 16-byte aligned,
 integers i32, a scalar equal to 1 specialised to the constant), then each distinct kernel is
 compiled for sm_90a with its launch's num_warps and num_stages. Prints one JSON line: per kernel
@@ -94,6 +95,18 @@ def trace(case: dict) -> None:
 
         def attention(q, k, v):
             return compiled(q, k, v, platform="triton", **gates)
+
+        if case.get("decode"):
+            step_q = jax.ShapeDtypeStruct((case["batch"], 1, case["heads_q"], case["head_dim"]), dtype)
+            step_gates = {name: gate[:, -1:] for name, gate in gates.items()}
+
+            def step(q, k, v):
+                cache = compiled.compress(k, v)
+                return compiled(q, k, v, query_offset=case["seq_len"] - 1, compressed=cache, platform="triton",
+                                **step_gates)
+
+            jax.jit(step).trace(step_q, k, v)
+            return
 
     loss = lambda q, k, v: jnp.sum(attention(q, k, v).astype(jnp.float32))  # noqa: E731
     # Both orders of the selection backward: score gradients stored for dq, and recomputed by it.
