@@ -24,7 +24,7 @@ from conftest import FORWARD_TOLERANCE, assert_close, gate, qkv, triton_launches
 from nsa_reference import chosen_scores, nsa_gradients, nsa_reference, small_example
 
 import nsa_dsl
-from nsa_dsl.runtime import compressed_cache, xla_engine
+from nsa_dsl.runtime import compressed_cache, triton_glue, xla_engine
 
 NAMES = ("cmp", "slc", "swa")
 
@@ -216,14 +216,25 @@ def test_triton_decoding_splits_the_walks_over_keys(rng, monkeypatch):
     sequence's 151 compressed keys, 3 of the top-k's 38 blocks), combined as one walk would have:
     the reference's output. The compression's tiles hold one sequence's query (its group's 2
     heads, padded to tl.dot's 16 rows) rather than all three, whose walk would cover all three
-    sequences' keys, each share a third of them."""
+    sequences' keys, each share a third of them; the top-k's tiles one query group (not 4, of
+    which 3 would hold no query), padded the same way."""
     config = nsa_dsl.NativeSparseAttentionConfig(block_k=16)
+    topk_tiles = []
+    launch = triton_glue.launch
+
+    def recording(kernel, grid, *args, **constants):
+        if kernel.__name__ == "topk_selection":
+            topk_tiles.append((constants["GROUPS"], constants["GROUP_SLOTS"]))
+        return launch(kernel, grid, *args, **constants)
+
+    monkeypatch.setattr(triton_glue, "launch", recording)
     launches = triton_launches(monkeypatch, lambda: check_decoding(
         rng, "triton", batch=3, seq_len=600, positions=(120, 377, 599), heads_q=4, heads_kv=2, config=config))
     grids = {grid for name, grid in launches if name == "compression_forward"}
     assert grids == {(3, 2, 2)}, grids
     shares = {grid[1:] for name, grid in launches if name == "topk_selection"}
     assert shares == {(2, 3)}, shares
+    assert set(topk_tiles) == {(1, 16)}, topk_tiles
 
 
 def test_xla_decoding_gathers_only_the_blocks_it_reads(rng, monkeypatch):

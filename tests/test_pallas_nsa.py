@@ -207,6 +207,13 @@ def test_kernels_lower_to_triton_for_a_gpu(rng, monkeypatch):
 TPU = nsa_dsl.NativeSparseAttentionConfig(backend="tpu")
 
 
+@pytest.mark.parametrize("config", [None, TPU], ids=["gpu variant", "tpu variant"])
+def test_a_group_of_24_heads(rng, config):
+    """GQA 24 (more than 16, not a power of two): tiles of 32 head slots, 8 of them padding."""
+    text, spec = paper_example()
+    run_and_check(rng, text, spec, batch=1, seq_len=29, heads_q=24, heads_kv=1, head_dim=16, config=config)
+
+
 def test_tpu_variant_paper_example_in_several_chunks(rng, monkeypatch):
     """Compressed tiles of 4 keys and chunks of 3 selection blocks: every loop takes several steps,
     and the last compressed key of each chunk (l/d = 2) carries its mass into the next chunk's

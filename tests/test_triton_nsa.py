@@ -108,6 +108,7 @@ def check_against_reference(rng, source, spec, *, batch, seq_len, heads_q, heads
     [
         ("nsa", 37, 3, 1, 20),  # group 3, head dim 20: overlapping compression, three branches (one static)
         ("nsa_meanpool", 33, 16, 1, 60),  # group 16, head dim 60
+        ("nsa", 29, 24, 1, 16),  # group 24: 32 head slots a token, 8 of them padding
     ],
 )
 def test_examples_match_the_paper(rng, example, seq_len, heads_q, heads_kv, head_dim):

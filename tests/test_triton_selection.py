@@ -1,7 +1,7 @@
 """The Triton kernels for explicit per-token selection, run in Triton's interpreter on the CPU
 (the same @triton.jit functions jax-triton launches on a GPU), against the float64 reference:
 forward and gradients of q, k, v and the gate, float32 and float16, odd lengths, head dims
-32/60/64/100, GQA groups 1/3/4/16, per-token counts, out-of-range and repeated entries,
+32/60/64/100, GQA groups 1/3/4/16/24, per-token counts, out-of-range and repeated entries,
 packed sequences (what it shares with Pallas is in test_interpreted_selection.py), and both
 orders of the backward (dq from stored score gradients, all KV heads at once or in slices of
 heads, and dq recomputing them where they would not fit in memory). The interpreter runs one program at a time in Python, so shapes are
@@ -42,6 +42,7 @@ def check_forward_and_gradients(rng, q, k, v, g_slc, indices, counts, block, cu_
         (np.float32, 2, 63, 1, 1, 64, 3, 16, True),  # group 1, T not a multiple of the block
         (np.float16, 1, 111, 3, 1, 60, 4, 32, True),  # group 3, head dim not a power of two
         (np.float32, 1, 63, 16, 1, 32, 3, 16, False),  # group 16
+        (np.float32, 1, 37, 24, 1, 32, 3, 16, True),  # group 24: 32 head slots a token, 8 of them padding
         (np.float16, 1, 48, 4, 1, 100, 2, 16, True),  # group 4, head dim 100
         (np.float32, 1, 40, 4, 1, 32, 6, 16, True),  # more entries than blocks: repeats everywhere
     ],

@@ -192,6 +192,12 @@ def test_prefix_and_window_on_packed_sequences_float16(rng):
     check(rng, attention, q, k, v, cu_seqlens=np.array([0, 9, 40, 61], np.int32))
 
 
+def test_prefix_and_window_gqa24(rng):
+    """A group of 24 heads: tiles of 32 head slots, 8 of them padding."""
+    attention = compiled([U(W(20), G(1))], tiles=(16, 32))
+    check(rng, attention, *qkv(rng, 1, 45, 24, 1, 16))
+
+
 def test_local_blocks_and_a_stride_progression(rng):
     attention = compiled([U(L(2), S(3, 2))], tiles=(32, 16))
     check(rng, attention, *qkv(rng, 1, 90, 2, 1, 20))

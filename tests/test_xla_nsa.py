@@ -58,7 +58,8 @@ def run_and_check(rng, source, spec, *, batch, seq_len, heads_q, heads_kv, head_
 
 @pytest.mark.parametrize("example", sorted(EXAMPLES))
 @pytest.mark.parametrize(
-    "seq_len, heads_q, heads_kv, head_dim", [(150, 4, 2, 32), (111, 16, 1, 60), (97, 4, 4, 16), (70, 8, 2, 100)]
+    "seq_len, heads_q, heads_kv, head_dim",
+    [(150, 4, 2, 32), (111, 16, 1, 60), (97, 4, 4, 16), (70, 8, 2, 100), (29, 24, 1, 16)],
 )
 def test_examples_match_the_paper(rng, example, seq_len, heads_q, heads_kv, head_dim):
     path, spec = EXAMPLES[example]
