@@ -189,15 +189,34 @@ def test_kernels_lower_for_a_tpu(rng, monkeypatch, dtype):
     def loss(*inputs):
         return jnp.sum(case.attention(*inputs).astype(jnp.float32))
 
-    forward = {"static_forward": 7, "selection_forward": 4}
+    forward = {"static_forward": 7, "selection_forward": 5}
     backward = {
-        "static_backward_dq": 7, "static_backward_dkdv": 7, "selection_backward_dq": 4, "selection_backward_dkdv": 5
+        "static_backward_dq": 7, "static_backward_dkdv": 7, "selection_backward_dq": 5, "selection_backward_dkdv": 5
     }
     for function, kernels in ((loss, forward), (jax.grad(loss, argnums=(0, 1, 2, 3, 4)), forward | backward)):
         traced = jax.jit(function).trace(*case.inputs)
         assert sorted(pallas_calls(traced.jaxpr.jaxpr)) == sorted(kernels.items())
         text = traced.lower(lowering_platforms=("tpu",)).as_text()
         assert sorted(re.findall(r'kernel_name = "(\w+)"', text)) == sorted(kernels)
+
+
+def test_launch_loops_lower_for_a_tpu(rng, monkeypatch):
+    """The selection kernels' loops of launches (scalar memory patched down to 300 bytes), the
+    dk/dv launches updating their block sums in place, lower for a TPU from the CPU."""
+    case = Case(rng, selection_plan("tpu_lower_launches", 8), 1, 45, 6, 2, 24, dtype=jnp.bfloat16)
+    monkeypatch.setattr(case.module, "TPU_TILES", True)
+    monkeypatch.setattr(case.module, "INTERPRET", False)
+    monkeypatch.setattr(case.module, "SCALAR_MEMORY_BYTES", 300)
+
+    def loss(*inputs):
+        return jnp.sum(case.attention(*inputs).astype(jnp.float32))
+
+    traced = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*case.inputs)
+    text = traced.lower(lowering_platforms=("tpu",)).as_text()
+    assert sorted(re.findall(r'kernel_name = "(\w+)"', text)) == [
+        "selection_backward_dkdv", "selection_backward_dq", "selection_forward"
+    ]
+    assert "stablehlo.while" in text
 
 
 def test_the_runtime_renders_the_tpu_variant_for_backend_tpu():
@@ -208,31 +227,64 @@ def test_the_runtime_renders_the_tpu_variant_for_backend_tpu():
     assert "PrefetchScalarGridSpec" not in gpu_source
 
 
+def selection_plan(name, block):
+    return p.Plan(name=name, block_size=block, causal=True, params=(),
+                  branches=(p.SelectBranch("slc", model.Gate("g_slc", 1.0), block),))
+
+
+@pytest.mark.parametrize("interpret", ["pallas", "tpu"])
+def test_selection_schedules_longer_than_scalar_memory_run_in_several_launches(rng, monkeypatch, interpret):
+    """Scalar memory patched down to 276 bytes: the forward and dq run in 8 launches of 6 of the 45
+    tokens (the last padded), dk/dv in 11 launches of 13 of each KV head's 135 pairs, each adding
+    to the block sums the earlier ones left (blocks straddle launches); packed sequences, group 3.
+    Output and gradients against float64, in Pallas' interpreter and in the TPU interpreter
+    (whose buffers start as NaN: a launch that did not update the sums in place would show)."""
+    case = Case(rng, selection_plan(f"tpu_launches_{interpret}", 8), 1, 45, 6, 2, 16, [0, 20, 45])
+    monkeypatch.setattr(case.module, "SCALAR_MEMORY_BYTES", 276)
+    if interpret == "tpu":
+        monkeypatch.setattr(case.module, "INTERPRET", pltpu.InterpretParams())
+    grids = {}
+    real = case.module.pallas_call
+
+    def recording(kernel, **options):
+        grids[options["name"]] = options["grid_spec"].grid
+        return real(kernel, **options)
+
+    monkeypatch.setattr(case.module, "pallas_call", recording)
+    case.check()
+    assert grids == {
+        "selection_forward": (2, 6, 3), "selection_backward_dq": (2, 6, 3), "selection_backward_dkdv": (2, 13)
+    }
+
+
 def long_selection(rng):
     """A selection plan and inputs whose per-token schedule (4 bytes per token, KV head and entry:
     16384 x 1 x 16) alone fills a TPU core's 1 MiB of scalar memory."""
-    plan = p.Plan(name="tpu_long", block_size=64, causal=True, params=(),
-                  branches=(p.SelectBranch("slc", model.Gate("g_slc", 1.0), 64),))
+    plan = selection_plan("tpu_long", 64)
     seq_len, width = 16384, 16
     q, k, v = qkv(rng, 1, seq_len, 2, 1, 8)
     selection = {"block_indices": random_indices(rng, 1, seq_len, 1, width, 64), "block_counts": width}
     return plan, (q, k, v), {"g_slc": gate(rng, 1, seq_len, 2)}, selection
 
 
-def test_a_schedule_longer_than_scalar_memory_is_a_clear_error(rng):
-    """Asked for by name, the TPU variant refuses while tracing (nothing runs) and says why and
-    what to use, instead of leaving Mosaic's compiler to fail on the TPU."""
+def test_a_schedule_longer_than_scalar_memory_is_a_clear_error(rng, monkeypatch):
+    """Where not even one token's schedule fits beside the key blocks' geometry (scalar memory
+    patched down to 1 KB: the 256 blocks' first and end rows take 2 KB), the TPU variant asked
+    for by name refuses while tracing (nothing runs) and says why and what to use, instead of
+    leaving Mosaic's compiler to fail on the TPU."""
     plan, (q, k, v), gates, selection = long_selection(rng)
+    monkeypatch.setattr(codegen.load_module("pallas", plan, TPU), "SCALAR_MEMORY_BYTES", 1024)
     with pytest.raises(nsa_dsl.PlatformLimitError,
                        match=r"selection_forward would scalar-prefetch \d+ bytes.*scalar memory.*platform='xla'"):
         jax.eval_shape(lambda q, k, v: attend(plan, q, k, v, gates=gates, platform="pallas", config=TPU, **selection),
                        q, k, v)
 
 
-def test_an_automatic_choice_gives_way_to_xla_for_a_schedule_too_long(rng):
+def test_an_automatic_choice_gives_way_to_xla_for_a_schedule_too_long(rng, monkeypatch):
     """Chosen automatically (the TPU's most specialised platform), the TPU variant gives way to
     XLA with a warning: the output is XLA's, bit for bit."""
     plan, (q, k, v), gates, selection = long_selection(rng)
+    monkeypatch.setattr(codegen.load_module("pallas", plan, TPU), "SCALAR_MEMORY_BYTES", 1024)
     with pytest.warns(UserWarning, match="scalar memory.*on XLA instead"):
         automatic = attend(plan, q, k, v, gates=gates, config=TPU, **selection)
     by_xla = attend(plan, q, k, v, gates=gates, platform="xla", config=TPU, **selection)
