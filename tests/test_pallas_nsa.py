@@ -257,6 +257,25 @@ def test_tpu_variant_per_block_of_queries_with_learned_pooling_float16(rng, monk
     check_per_block_learned(rng, patch=lambda m: monkeypatch.setattr(m, "SCORED_BLOCKS", 2), config=TPU)
 
 
+def test_tpu_variant_schedules_of_a_long_sequence_fit_scalar_memory():
+    """examples/nsa.nsa at 256k tokens (HQ 64, HKV 4, D 128, bfloat16), forward and gradients traced
+    (nothing runs) with the TPU variant: every launch's schedule fits in a core's scalar memory
+    (the selection kernels in several launches; the compression and top-k schedules are two
+    numbers a program, not a list of visits that grows with the square of the sequence: 4 MiB)."""
+    attention = nsa_dsl.compile("examples/nsa.nsa")
+    module = codegen.load_module("pallas", attention.plan, TPU)
+    seq_len = 262144
+    q = jax.ShapeDtypeStruct((1, seq_len, 64, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, seq_len, 4, 128), jnp.bfloat16)
+    gates = {g.name: jnp.ones((1, seq_len, 64), jnp.bfloat16) for g in attention.plan.gates}
+    options = {"tables": dispatch.branch_tables(attention.plan, seq_len), "cu_seqlens": None, "softmax_scale": 0.1}
+
+    def loss(q, k, v):
+        return jnp.sum(module.attention(q, k, v, gates=gates, **options).astype(jnp.float32))
+
+    jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv)
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_tpu_variant_kernels_lower_for_a_tpu(monkeypatch, dtype):
     """Lower (not run) forward and backward for a TPU from the CPU: compression (forward, dq, dk/dv),
