@@ -35,6 +35,17 @@ CAUSAL = "pattern dense_causal\nblock 64\ncausal\nbranch main = local(2147483647
 GATES = ("g_cmp", "g_slc", "g_swa")
 
 
+def decoding_inputs(batch, seq_len):
+    """A decoding step's inputs, the same every run: (q [B, 1, HQ, D], the key and value caches
+    [B, T, HKV, D], the gates {name: [B, 1, HQ]}, and the rows [B] the queries are at: T - 1)."""
+    rng = np.random.default_rng(0)
+    k_cache, v_cache = (jnp.asarray(rng.standard_normal((batch, seq_len, HEADS_KV, HEAD_DIM)), jnp.bfloat16)
+                        for _ in range(2))
+    q = jnp.asarray(rng.standard_normal((batch, 1, HEADS_Q, HEAD_DIM)), jnp.bfloat16)
+    gates = {name: jnp.asarray(rng.uniform(size=(batch, 1, HEADS_Q)), jnp.bfloat16) for name in GATES}
+    return q, k_cache, v_cache, gates, jnp.full((batch,), seq_len - 1, jnp.int32)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pattern", default="examples/nsa.nsa", help="a .nsa file, or `causal`")
@@ -73,12 +84,7 @@ def main() -> None:
 
     for seq_len in map(int, args.lengths.split(",")):
         for batch in map(int, args.batches.split(",")):
-            rng = np.random.default_rng(0)
-            k_cache, v_cache = (jnp.asarray(rng.standard_normal((batch, seq_len, HEADS_KV, HEAD_DIM)), jnp.bfloat16)
-                                for _ in range(2))
-            q = jnp.asarray(rng.standard_normal((batch, 1, HEADS_Q, HEAD_DIM)), jnp.bfloat16)
-            gates = {name: jnp.asarray(rng.uniform(size=(batch, 1, HEADS_Q)), jnp.bfloat16) for name in GATES}
-            rows = jnp.full((batch,), seq_len - 1, jnp.int32)
+            q, k_cache, v_cache, gates, rows = decoding_inputs(batch, seq_len)
 
             def new_cache():
                 return attention.compress(k_cache, v_cache) if compressing else jnp.zeros((1,), jnp.float32)

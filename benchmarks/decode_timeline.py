@@ -1,8 +1,8 @@
 """Where a decoding step's wall time goes on a GPU: the step's kernels on a timeline.
 
 A jitted NSA decoding step (examples/nsa.nsa or `causal`, Triton platform, the compressed cache updated
-for row T - 1 and donated from step to step, compiled with nsa_dsl.DECODE_COMPILER_OPTIONS, as
-benchmarks/ab_decode_splits.py builds it; HQ64 HKV4 D128 bf16) is timed (200 steps x 5 rounds, wall ms a
+for row T - 1 and donated from step to step, compiled with nsa_dsl.DECODE_COMPILER_OPTIONS, on
+benchmarks/ab_decode_splits.py's inputs; HQ64 HKV4 D128 bf16) is timed (200 steps x 5 rounds, wall ms a
 step), then 6 steps run under torch.profiler, whose CUPTI tracing records every kernel of the process,
 JAX's included. Printed: the host calls that launched work (count, median and total us), and for two of
 the steps each kernel's start from the step's first kernel, the idle gap before it and its duration. Gaps
@@ -28,15 +28,12 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import torch
+from ab_decode_splits import CAUSAL, decoding_inputs
 from torch.profiler import ProfilerActivity, profile
 
 import nsa_dsl
 
-HEADS_Q, HEADS_KV, HEAD_DIM = 64, 4, 128
-CAUSAL = "pattern dense_causal\nblock 64\ncausal\nbranch main = local(2147483647)\n"
-GATES = ("g_cmp", "g_slc", "g_swa")
 PROFILED_STEPS = 6
 
 
@@ -44,12 +41,7 @@ def step_function(pattern: str, batch: int, seq_len: int):
     """(the compiled step, its arguments): one query a sequence at row seq_len - 1."""
     attention = nsa_dsl.compile(CAUSAL if pattern == "causal" else pattern)
     compressing = pattern != "causal"
-    rng = np.random.default_rng(0)
-    k_cache, v_cache = (jnp.asarray(rng.standard_normal((batch, seq_len, HEADS_KV, HEAD_DIM)), jnp.bfloat16)
-                        for _ in range(2))
-    q = jnp.asarray(rng.standard_normal((batch, 1, HEADS_Q, HEAD_DIM)), jnp.bfloat16)
-    gates = {name: jnp.asarray(rng.uniform(size=(batch, 1, HEADS_Q)), jnp.bfloat16) for name in GATES}
-    rows = jnp.full((batch,), seq_len - 1, jnp.int32)
+    q, k_cache, v_cache, gates, rows = decoding_inputs(batch, seq_len)
 
     def step(q, k_cache, v_cache, cache, rows):
         if not compressing:
