@@ -189,9 +189,9 @@ def test_kernels_lower_for_a_tpu(rng, monkeypatch, dtype):
     def loss(*inputs):
         return jnp.sum(case.attention(*inputs).astype(jnp.float32))
 
-    forward = {"static_forward": 7, "selection_forward": 5}
+    forward = {"static_forward": 8, "selection_forward": 5}
     backward = {
-        "static_backward_dq": 7, "static_backward_dkdv": 7, "selection_backward_dq": 5, "selection_backward_dkdv": 5
+        "static_backward_dq": 8, "static_backward_dkdv": 8, "selection_backward_dq": 5, "selection_backward_dkdv": 5
     }
     for function, kernels in ((loss, forward), (jax.grad(loss, argnums=(0, 1, 2, 3, 4)), forward | backward)):
         traced = jax.jit(function).trace(*case.inputs)
@@ -233,13 +233,16 @@ def selection_plan(name, block):
 
 
 @pytest.mark.parametrize("interpret", ["pallas", "tpu"])
-def test_selection_schedules_longer_than_scalar_memory_run_in_several_launches(rng, monkeypatch, interpret):
-    """Scalar memory patched down to 276 bytes: the forward and dq run in 8 launches of 6 of the 45
-    tokens (the last padded), dk/dv in 11 launches of 13 of each KV head's 135 pairs, each adding
-    to the block sums the earlier ones left (blocks straddle launches); packed sequences, group 3.
-    Output and gradients against float64, in Pallas' interpreter and in the TPU interpreter
-    (whose buffers start as NaN: a launch that did not update the sums in place would show)."""
-    case = Case(rng, selection_plan(f"tpu_launches_{interpret}", 8), 1, 45, 6, 2, 16, [0, 20, 45])
+def test_schedules_longer_than_scalar_memory_run_in_several_launches(rng, monkeypatch, interpret):
+    """Scalar memory patched down to 276 bytes: the selection's forward and dq run in 8 launches
+    of 6 of the 45 tokens (the last padded), its dk/dv in 11 launches of 13 of each KV head's 135
+    pairs, each adding to the block sums the earlier ones left (blocks straddle launches); the
+    static branch's (a window, a global block, a stride) forward, dq and dk/dv in launches of 2 of
+    the 7 query tiles or key blocks (the transposed table is as wide as a sequence's blocks, for the
+    global one). Packed sequences, group 3. Output and gradients against float64, in Pallas'
+    interpreter and in the TPU interpreter (whose buffers start as NaN: a launch that did not
+    update the sums in place, or wrote another launch's rows, would show)."""
+    case = Case(rng, mixed_plan(f"tpu_launches_{interpret}", 8, 8), 1, 45, 6, 2, 16, [0, 20, 45])
     monkeypatch.setattr(case.module, "SCALAR_MEMORY_BYTES", 276)
     if interpret == "tpu":
         monkeypatch.setattr(case.module, "INTERPRET", pltpu.InterpretParams())
@@ -253,7 +256,8 @@ def test_selection_schedules_longer_than_scalar_memory_run_in_several_launches(r
     monkeypatch.setattr(case.module, "pallas_call", recording)
     case.check()
     assert grids == {
-        "selection_forward": (2, 6, 3), "selection_backward_dq": (2, 6, 3), "selection_backward_dkdv": (2, 13)
+        "selection_forward": (2, 6, 3), "selection_backward_dq": (2, 6, 3), "selection_backward_dkdv": (2, 13),
+        "static_forward": (2, 2, 5), "static_backward_dq": (2, 2, 5), "static_backward_dkdv": (2, 2, 6),
     }
 
 
