@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import FORWARD_TOLERANCE, assert_close, gate, qkv, triton_launches
+from conftest import FORWARD_TOLERANCE, assert_close, gate, qkv
 from nsa_reference import chosen_scores, nsa_gradients, nsa_reference, small_example
 
 import nsa_dsl
@@ -219,22 +219,20 @@ def test_triton_decoding_splits_the_walks_over_keys(rng, monkeypatch):
     sequences' keys, each share a third of them; the top-k's tiles one query group (not 4, of
     which 3 would hold no query), padded the same way."""
     config = nsa_dsl.NativeSparseAttentionConfig(block_k=16)
-    topk_tiles = []
+    launches = []
     launch = triton_glue.launch
 
     def recording(kernel, grid, *args, **constants):
-        if kernel.__name__ == "topk_selection":
-            topk_tiles.append((constants["GROUPS"], constants["GROUP_SLOTS"]))
+        launches.append((kernel.__name__, tuple(grid), constants.get("GROUPS"), constants.get("GROUP_SLOTS")))
         return launch(kernel, grid, *args, **constants)
 
     monkeypatch.setattr(triton_glue, "launch", recording)
-    launches = triton_launches(monkeypatch, lambda: check_decoding(
-        rng, "triton", batch=3, seq_len=600, positions=(120, 377, 599), heads_q=4, heads_kv=2, config=config))
-    grids = {grid for name, grid in launches if name == "compression_forward"}
+    check_decoding(rng, "triton", batch=3, seq_len=600, positions=(120, 377, 599), heads_q=4, heads_kv=2,
+                   config=config)
+    grids = {grid for name, grid, *_ in launches if name == "compression_forward"}
     assert grids == {(3, 2, 2)}, grids
-    shares = {grid[1:] for name, grid in launches if name == "topk_selection"}
-    assert shares == {(2, 3)}, shares
-    assert set(topk_tiles) == {(1, 16)}, topk_tiles
+    topk = {(grid[1:], *tiles) for name, grid, *tiles in launches if name == "topk_selection"}
+    assert topk == {((2, 3), 1, 16)}, topk  # 3 shares, tiles of 1 group of 16 head slots
 
 
 def test_xla_decoding_gathers_only_the_blocks_it_reads(rng, monkeypatch):
