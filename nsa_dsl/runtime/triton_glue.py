@@ -3,7 +3,8 @@ Triton's interpreter.
 
 A generated Triton module calls `launch` for every kernel. With a GPU build of jax the kernel
 becomes an XLA custom call through `jax_triton.triton_call` (imported only then; its compiled
-kernels are kept on disk by `triton_cache`). Without a GPU
+kernels are kept on disk by `triton_cache`, its calls reach XLA as FFI calls through `triton_ffi`).
+Without a GPU
 the very same `@triton.jit` functions run in Triton's interpreter (TRITON_INTERPRET=1) inside a
 `jax.pure_callback`, on the host buffers of the callback's numpy arrays, so a generated module
 works under `jax.jit` and `jax.grad` on a CPU: that is how CI checks the kernels. The
@@ -26,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import ptxas_cache, triton_cache
+from . import ptxas_cache, triton_cache, triton_ffi
 from .layout import varying_like
 
 
@@ -178,6 +179,7 @@ def launch(
         import jax_triton
 
         triton_cache.install()
+        triton_ffi.install()
         ptxas_cache.install()
         result = jax_triton.triton_call(
             *inputs,
