@@ -13,8 +13,8 @@ kernels (the host), not by running them (the GPU).
         [--label NAME] [--out DIR]
 
 Writes the profiler's Chrome trace to DIR/timeline_<label>_T<length>_B<batch>.json (DIR: --out, else
-$OUT, else .). Needs torch with CUDA beside the GPU build of jax (the H200 image has both). Written in
-session 24 without a GPU: its first run is in NOTES.md's GPU plan.
+$OUT, else .). Needs torch with CUDA beside the GPU build of jax (the H200 image has both); its trace
+holds JAX's kernels (session 25's runs, results/decode_timeline_*_2026-12-01s25.log).
 """
 
 from __future__ import annotations

@@ -4,10 +4,11 @@ jax-triton 0.3.1 lowers every kernel call to jaxlib's legacy custom call `triton
 whose compressed kernel description XLA hands to a C entry point that looks the kernel up again at
 every launch. jaxlib after 0.10.2 also registers `triton_kernel_call_ffi`, a typed-FFI handler for
 the same description (Pallas' Triton lowering and later jax-triton versions emit it): it reads the
-description once when the executable is initialised, so each launch costs the host less. On the H200
-(jaxlib 0.11.2; scratch probe of session 25, NOTES.md) a jitted chain of six XLA fusions and six
-Triton calls ran in 100-160 us a step through the legacy call and 62-72 us through the FFI one.
-Decoding steps, a few short kernels each, are bound by exactly this host work.
+description once when the executable is initialised, and XLA records its launches into the CUDA
+graphs it runs a program's kernels from, where a legacy call splits them and is launched by the host.
+On the H200 (jaxlib 0.11.2, benchmarks/triton_call_probe.py) a jitted chain of six XLA fusions and six
+Triton calls ran in 99-110 us a step through the legacy call and 63-74 through the FFI one; an NSA
+decoding step of 8 sequences at 64k (benchmarks/bench_decode.py) in 0.229 ms and 0.107.
 
 `install` wraps jax-triton's CUDA lowering: the call it emits is re-emitted, with the same
 operands, results, aliases and compressed description, as an FFI call. Calls already emitted as
