@@ -19,13 +19,14 @@ import pytest
 from jax._src.core import ShapedArray
 from jax._src.interpreters import mlir
 from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import hlo
 
 from nsa_dsl.runtime import triton_ffi
 
 
-def legacy_call(description: bytes, target: str, ctx, *operands, input_output_aliases=()):
-    """A custom call as jax-triton 0.3.1 emits it."""
-    return mlir.custom_call(
+def legacy_call(description: bytes, target: str, ctx, *operands, input_output_aliases=(), negated=False):
+    """A custom call as jax-triton 0.3.1 emits it (`negated`: its results passed through another op)."""
+    results = mlir.custom_call(
         target,
         result_types=[ir.RankedTensorType.get(aval.shape, mlir.dtype_to_ir_type(aval.dtype)) for aval in ctx.avals_out],
         operands=list(operands),
@@ -33,16 +34,18 @@ def legacy_call(description: bytes, target: str, ctx, *operands, input_output_al
         api_version=2,
         operand_output_aliases=dict(input_output_aliases),
     ).results
+    return [hlo.negate(result) for result in results] if negated else results
 
 
-def lowered_calls(description: bytes, target: str, aliases) -> tuple[ir.Module, list]:
+def lowered_calls(description: bytes, target: str, aliases, negated=False) -> tuple[ir.Module, list]:
     """The lowered module (the calls' owner: keep it alive while reading them) and its custom calls."""
-    primitive = jax.extend.core.Primitive(f"legacy_triton_call_{target}")
+    primitive = jax.extend.core.Primitive(f"legacy_triton_call_{target}_{negated}")
     primitive.multiple_results = True
     primitive.def_abstract_eval(
         lambda x, y, **params: [ShapedArray(x.shape, x.dtype), ShapedArray((3,), jnp.int32)]
     )
-    rule = functools.partial(triton_ffi.as_ffi_call, functools.partial(legacy_call, description, target))
+    legacy = functools.partial(legacy_call, description, target, negated=negated)
+    rule = functools.partial(triton_ffi.as_ffi_call, legacy)
     mlir.register_lowering(primitive, rule)  # every platform: CI lowers for its CPU, the H200 for CUDA
     x = jnp.ones((4, 5), jnp.float32)
     y = jnp.ones((4, 5), jnp.float32)
@@ -76,6 +79,13 @@ def test_other_calls_pass_through(rng):
     description = rng.integers(0, 256, 40, dtype=np.uint8).tobytes()
     module, [call] = lowered_calls(description, "some_other_call", aliases=())
     assert ir.StringAttr(call.attributes["call_target_name"]).value == "some_other_call"
+    assert ir.StringAttr(call.attributes["backend_config"]).value_bytes == description
+
+
+def test_results_not_made_by_a_custom_call_pass_through(rng):
+    description = zlib.compress(rng.integers(0, 256, 40, dtype=np.uint8).tobytes())
+    module, [call] = lowered_calls(description, triton_ffi.LEGACY_TARGET, aliases=(), negated=True)
+    assert ir.StringAttr(call.attributes["call_target_name"]).value == triton_ffi.LEGACY_TARGET
     assert ir.StringAttr(call.attributes["backend_config"]).value_bytes == description
 
 

@@ -12,7 +12,8 @@ decoding step of 8 sequences at 64k (benchmarks/bench_decode.py) in 0.229 ms and
 
 `install` wraps jax-triton's CUDA lowering: the call it emits is re-emitted, with the same
 operands, results, aliases and compressed description, as an FFI call. Calls already emitted as
-FFI (a newer jax-triton) pass through. `NSA_DSL_TRITON_FFI=0` keeps the legacy calls.
+FFI (a newer jax-triton), and results not made by a custom call, pass through.
+`NSA_DSL_TRITON_FFI=0` keeps the legacy calls.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ def as_ffi_call(legacy_lowering, ctx, *operands, **params):
 
     results = legacy_lowering(ctx, *operands, **params)
     call = results[0].owner
+    if call.name != "stablehlo.custom_call":
+        return results
     if ir.StringAttr(call.attributes["call_target_name"]).value != LEGACY_TARGET:
         return results
     description = ir.StringAttr(call.attributes["backend_config"]).value_bytes
