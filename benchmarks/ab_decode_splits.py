@@ -9,10 +9,15 @@ threaded from step to step (as benchmarks/bench_decode.py does); HQ64 HKV4 D128 
         [--lengths 8192,65536] [--batches 1,8]
     ncu --clock-control none --profile-from-start off --csv --metrics gpu__time_duration.sum \\
         python3 benchmarks/ab_decode_splits.py --only on|off --lengths 8192 --batches 8
+    PYTHONPATH=. python3 benchmarks/ab_decode_splits.py --sweep SELECTION_MIN_SPLIT_STEPS=8,4,2,1
 
-Prints the largest difference of the two variants' outputs and the wall ms a step of each (200
-steps, 5 rounds taken in turns, median and every round). With --only, compiles one variant and
-runs 3 steps between cuProfilerStart/Stop, for ncu's per-kernel times.
+--sweep NAME=V1,V2,...: instead of on/off, one variant per value of the generated module's integer
+constant NAME (e.g. SELECTION_MIN_SPLIT_STEPS, the selection's shortest share of a walk, or
+MIN_SPLIT_STEPS, the compression's and top-k's), everything else as generated.
+
+Prints the largest difference of each variant's output from the first's and the wall ms a step of
+each (200 steps, 5 rounds taken in turns, median and every round). With --only, compiles one
+variant and runs 3 steps between cuProfilerStart/Stop, for ncu's per-kernel times.
 """
 
 from __future__ import annotations
@@ -51,17 +56,26 @@ def main() -> None:
     parser.add_argument("--pattern", default="examples/nsa.nsa", help="a .nsa file, or `causal`")
     parser.add_argument("--lengths", default="8192,65536")
     parser.add_argument("--batches", default="1,8")
-    parser.add_argument("--only", choices=("on", "off"), help="one variant, 3 steps under cuProfilerStart/Stop")
+    parser.add_argument("--only", help="one variant (on, off, or a --sweep value), 3 steps under cuProfilerStart/Stop")
+    parser.add_argument("--sweep", metavar="NAME=V1,V2", help="variants: values of one constant of the module")
     args = parser.parse_args()
 
     attention = nsa_dsl.compile(CAUSAL if args.pattern == "causal" else args.pattern)
     compressing = args.pattern != "causal"
     module = codegen.load_module("triton", attention.plan, dispatch.for_device(None))
     key_splits, range_settings = module.key_splits, module.range_settings
+    if args.sweep:
+        constant, values = args.sweep.split("=")
+        generated = getattr(module, constant)  # raises for a name the module lacks
+        all_variants = [str(generated)] + [v for v in values.split(",") if v != str(generated)]
+    else:
+        all_variants = ["on", "off"]
 
     def compiled(variant, q, k_cache, v_cache, cache, gates, rows):
         """The step of `variant`, compiled (it keeps its kernels after the module is patched back)."""
-        if variant == "on":
+        if args.sweep:
+            setattr(module, constant, int(variant))
+        elif variant == "on":
             module.key_splits, module.range_settings = key_splits, range_settings
         else:
             def unsplit(programs, steps, min_steps):  # the session's splits use min_steps 1
@@ -89,7 +103,7 @@ def main() -> None:
             def new_cache():
                 return attention.compress(k_cache, v_cache) if compressing else jnp.zeros((1,), jnp.float32)
 
-            variants = [args.only] if args.only else ["on", "off"]
+            variants = [args.only] if args.only else all_variants
             steps = {v: compiled(v, q, k_cache, v_cache, new_cache(), gates, rows) for v in variants}
             caches = {v: new_cache() for v in variants}
             outputs = {}
@@ -106,9 +120,11 @@ def main() -> None:
                 cuda.cuProfilerStop()
                 print(f"T={seq_len} B={batch} {args.only}: profiled 3 steps", flush=True)
                 continue
-            difference = np.abs(outputs["on"] - outputs["off"]).max()
-            largest = np.abs(outputs["off"]).max()
-            print(f"T={seq_len} B={batch}: on vs off max|d| {difference:.3e} (|out| max {largest:.2f})")
+            first = variants[0]
+            largest = np.abs(outputs[first]).max()
+            for v in variants[1:]:
+                difference = np.abs(outputs[v] - outputs[first]).max()
+                print(f"T={seq_len} B={batch}: {v} vs {first} max|d| {difference:.3e} (|out| max {largest:.2f})")
             times = {v: [] for v in variants}
             for _ in range(5):
                 for v in variants:
