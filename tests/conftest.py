@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import zlib
 
 import jax
@@ -9,6 +10,15 @@ import numpy as np
 import pytest
 
 from nsa_dsl.plan import plan as p
+
+# XLA:CPU compiles each test's programs once and runs them on tiny shapes: without its optimising
+# passes it compiles them in a fraction of the time (tests/test_xla_*.py: 72 s against ~150), and the
+# results still meet the tolerances against float64. Set before jax starts its backend; processes the
+# tests start inherit them; flags already in XLA_FLAGS come later and win.
+_FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+if jax.__version_info__ < (0, 11):  # jaxlib 0.11 aborts on this flag (removed)
+    _FAST_COMPILE += " --xla_cpu_use_fusion_emitters=false"
+os.environ["XLA_FLAGS"] = f"{_FAST_COMPILE} {os.environ.get('XLA_FLAGS', '')}".strip()
 
 # float32 kernels against the float64 reference: accumulation error only.
 FORWARD_TOLERANCE = 2e-5
