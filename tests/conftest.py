@@ -16,8 +16,12 @@ from nsa_dsl.plan import plan as p
 # results still meet the tolerances against float64. Set before jax starts its backend; processes the
 # tests start inherit them; flags already in XLA_FLAGS come later and win.
 _FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+# Compiler options for a test that inspects a compiled program: its HLO as a user's compilation makes
+# it (without fusion emitters XLA:CPU lowers a scatter to a while loop).
+AS_USERS_COMPILE: dict = {}
 if jax.__version_info__ < (0, 11):  # jaxlib 0.11 aborts on this flag (removed)
     _FAST_COMPILE += " --xla_cpu_use_fusion_emitters=false"
+    AS_USERS_COMPILE["xla_cpu_use_fusion_emitters"] = True
 os.environ["XLA_FLAGS"] = f"{_FAST_COMPILE} {os.environ.get('XLA_FLAGS', '')}".strip()
 
 # float32 kernels against the float64 reference: accumulation error only.
