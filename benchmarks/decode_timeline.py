@@ -10,7 +10,11 @@ between a step's kernels that add up to much of its wall time say the step is bo
 kernels (the host), not by running them (the GPU).
 
     PYTHONPATH=. python3 benchmarks/decode_timeline.py --length 8192 --batch 8 [--pattern causal]
-        [--label NAME] [--out DIR]
+        [--label NAME] [--out DIR] [--set NAME=VALUE ...]
+
+--set NAME=VALUE (repeatable) gives an integer constant of the generated Triton module another value
+before the step is traced (e.g. SPLIT_PROGRAMS, SELECTION_MIN_SPLIT_STEPS, MIN_SPLIT_STEPS: how decoding
+walks are split into shares), to see each kernel's time under it.
 
 Writes the profiler's Chrome trace to DIR/timeline_<label>_T<length>_B<batch>.json (DIR: --out, else
 $OUT, else .). Needs torch with CUDA beside the GPU build of jax (the H200 image has both); its trace
@@ -33,13 +37,20 @@ from ab_decode_splits import CAUSAL, decoding_inputs
 from torch.profiler import ProfilerActivity, profile
 
 import nsa_dsl
+from nsa_dsl import codegen
+from nsa_dsl.runtime import dispatch
 
 PROFILED_STEPS = 6
 
 
-def step_function(pattern: str, batch: int, seq_len: int):
-    """(the compiled step, its arguments): one query a sequence at row seq_len - 1."""
+def step_function(pattern: str, batch: int, seq_len: int, constants: dict[str, int]):
+    """(the compiled step, its arguments): one query a sequence at row seq_len - 1, the generated
+    module's `constants` set first."""
     attention = nsa_dsl.compile(CAUSAL if pattern == "causal" else pattern)
+    module = codegen.load_module("triton", attention.plan, dispatch.for_device(None))
+    for name, value in constants.items():
+        getattr(module, name)  # raises for a name the module lacks
+        setattr(module, name, value)
     compressing = pattern != "causal"
     q, k_cache, v_cache, gates, rows = decoding_inputs(batch, seq_len)
 
@@ -61,9 +72,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--label", default="step")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                        help="an integer constant of the generated module")
     args = parser.parse_args()
 
-    step, arguments = step_function(args.pattern, args.batch, args.length)
+    constants = {name: int(value) for name, value in (item.split("=") for item in args.set)}
+    step, arguments = step_function(args.pattern, args.batch, args.length, constants)
 
     def run(count):
         out = None
@@ -77,7 +91,7 @@ def main() -> None:
         start = time.perf_counter()
         run(200)
         rounds.append((time.perf_counter() - start) / 200 * 1e3)
-    print(f"{args.label} T={args.length} B={args.batch}: ms/step {statistics.median(rounds):.4f} "
+    print(f"{args.label} {constants or ''} T={args.length} B={args.batch}: ms/step {statistics.median(rounds):.4f} "
           f"[{' '.join(f'{t:.4f}' for t in rounds)}] (torch {torch.__version__})", flush=True)
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
