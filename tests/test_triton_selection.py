@@ -59,7 +59,7 @@ def test_forward_and_gradients(rng, dtype, batch, seq_len, heads_q, heads_kv, he
 def test_few_programs_split_their_walks_over_the_selected_blocks(rng, monkeypatch, dtype, cu_seqlens):
     """A launch of few programs (a decoding step's: here 2 x 20 tokens of one KV head) splits each
     token's walk over its selected blocks into shares, a program each (17 entries, one a step:
-    2 shares of at least SELECTION_MIN_SPLIT_STEPS = 8), merged as one walk would have: the
+    7 shares, enough for SPLIT_PROGRAMS = 256 programs), merged as one walk would have: the
     reference's output, differentiated (the
     selection's own output and lse) and not (gated_merge: the shares merged as the gate applies); with
     counts of 0 to 17 (shares that see nothing), entries past the blocks there are, and packed
@@ -73,7 +73,7 @@ def test_few_programs_split_their_walks_over_the_selected_blocks(rng, monkeypatc
     small_steps = functools.partial(selection, block_k=16)
     launches = triton_launches(monkeypatch, lambda: check_selection_against_reference(
         rng, small_steps, q, k, v, g_slc, indices, counts, 8, cu_seqlens, (tolerance, tolerance)))
-    assert {grid[2] for name, grid in launches if name == "selection_forward"} == {2}, launches
+    assert {grid[2] for name, grid in launches if name == "selection_forward"} == {7}, launches
     assert "gated_merge" in {name for name, _ in launches}, "not differentiated: the shares merge as the gate applies"
 
 
