@@ -24,7 +24,8 @@ from conftest import AS_USERS_COMPILE, FORWARD_TOLERANCE, assert_close, gate, qk
 from nsa_reference import chosen_scores, nsa_gradients, nsa_reference, small_example
 
 import nsa_dsl
-from nsa_dsl.runtime import compressed_cache, triton_glue, xla_engine
+from nsa_dsl import codegen
+from nsa_dsl.runtime import compressed_cache, dispatch, triton_glue, xla_engine
 
 NAMES = ("cmp", "slc", "swa")
 
@@ -234,6 +235,33 @@ def test_triton_decoding_splits_the_walks_over_keys(rng, monkeypatch):
     assert grids == {(3, 2, 2)}, grids
     topk = {(grid[1:], *tiles) for name, grid, *tiles in launches if name == "topk_selection"}
     assert topk == {((2, 3), 1, 16)}, topk  # 3 shares, tiles of 1 group of 16 head slots
+
+
+def test_triton_decoding_widens_the_compression_steps_where_the_walk_still_fills_the_programs(rng, monkeypatch):
+    """A decoding step's compression forward takes wider steps than CMP_STEP_KEYS where its walk
+    still splits into shares for SPLIT_PROGRAMS programs (here 12, shares of at least 1 step: 3
+    sequences x 2 KV heads = 6 tiles of 151 compressed keys take steps of 64 keys, 2 shares each;
+    128 would leave one share a tile), the reference's output all the same."""
+    source, _ = small_example("nsa")
+    module = codegen.load_module("triton", nsa_dsl.compile(source).plan, dispatch.for_device(None))
+    monkeypatch.setattr(module, "SPLIT_PROGRAMS", 12)
+    monkeypatch.setattr(module, "MIN_SPLIT_STEPS", 1)
+    dispatch.kernel.cache_clear()
+    jax.clear_caches()
+    launches = []
+    launch = triton_glue.launch
+
+    def recording(kernel, grid, *args, **constants):
+        launches.append((kernel.__name__, tuple(grid), constants.get("STEP")))
+        return launch(kernel, grid, *args, **constants)
+
+    monkeypatch.setattr(triton_glue, "launch", recording)
+    try:
+        check_decoding(rng, "triton", batch=3, seq_len=600, positions=(377, 599), heads_q=4, heads_kv=2)
+    finally:
+        dispatch.kernel.cache_clear()
+        jax.clear_caches()
+    assert {(grid, step) for name, grid, step in launches if name == "compression_forward"} == {((3, 2, 2), 64)}
 
 
 def test_xla_decoding_gathers_only_the_blocks_it_reads(rng, monkeypatch):
