@@ -3,7 +3,7 @@ attention, on one GPU.
 
     PYTHONPATH=. python benchmarks/bench_decode.py [--pattern examples/nsa.nsa] [--lengths 8192,32768,65536,131072]
         [--batches 1,8] [--impls ours-triton,ours-triton-pooling,ours-pallas,ours-xla,cudnn,xla-dense] [--breakdown]
-        [--positions last|spread] [--xla-default-graphs] [--out DIR]
+        [--positions last|spread] [--xla-default-graphs] [--steps-per-call N] [--out DIR]
     python benchmarks/bench_decode.py --dry-run     # CPU, tiny shapes: proves the harness
 
 A step is what a serving loop runs for each new token once its key and value rows are in the cache
@@ -18,7 +18,10 @@ pattern's gates off (only the attention itself). `--positions spread`: the seque
 positions of their own, as continuous batching serves them (sequence b at row T - 1 - b * T // (2B):
 query_offset and new_rows one per sequence), and dense attention reads each sequence's rows up to
 its position (key_value_seq_lengths). Every step reads the whole selection a real model
-makes: random inputs, the pattern's own top-k.
+makes: random inputs, the pattern's own top-k. `--steps-per-call N`: each call runs N steps in a
+jax.lax.fori_loop, each step's query the previous step's output (a dependent chain, as generation's),
+so that the time a step is the device's, not the host's dispatch of one jitted call (a step of a
+few tens of microseconds of kernels is otherwise bound by the dispatch).
 
 Prints a table (median ms per step, timing.py's method; ratio dense cuDNN / row: above 1, faster
 than dense), the K/V bytes a step must read at least, and the largest difference of each nsa_dsl
@@ -65,8 +68,12 @@ def main() -> None:
                         help="every sequence at row T - 1, or each at a position of its own")
     parser.add_argument("--xla-default-graphs", action="store_true",
                         help="compile every step with XLA's default options, not nsa_dsl.DECODE_COMPILER_OPTIONS")
+    parser.add_argument("--steps-per-call", type=int, default=1, metavar="N",
+                        help="N dependent steps in one jitted loop a call; ms a step = ms a call / N")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, ours-xla and xla-dense")
     args = parser.parse_args()
+    if args.steps_per_call < 1 or (args.steps_per_call > 1 and args.breakdown):
+        parser.error("--steps-per-call takes N >= 1, and no --breakdown (its parts are not a step)")
 
     import jax
     import jax.numpy as jnp
@@ -91,6 +98,7 @@ def main() -> None:
     settings = (f"pattern {attention.plan.name} ({args.pattern}), HQ={hq} HKV={hkv} D={d} {dtype.name}, one new query "
                 f"per sequence at {where} of a T-row cache, gates {gate_names} random; "
                 f"compiler options {compiler_options or 'XLA defaults'} (every row), "
+                f"{args.steps_per_call} step(s) a call, "
                 f"device {jax.devices()[0].device_kind}, "
                 f"jax {jax.__version__}")
     print(f"bench_decode: {settings}", flush=True)
@@ -123,14 +131,29 @@ def main() -> None:
             # Every call is (q, k_cache, v_cache, compressed cache, position) -> (output, cache). Those
             # that update the cache get it donated and hand the new one to the next call, as a serving
             # loop does (without donation each step would copy the whole compressed cache).
+            def jitted(step, donate):
+                """`step` (q, kc, vc, c, t) -> (out, c) jitted, --steps-per-call steps of it a call."""
+                if args.steps_per_call > 1:
+                    one_step = step
+
+                    def step(q, kc, vc, c, t):
+                        def body(_, carry):
+                            q, c = carry
+                            out, c = one_step(q, kc, vc, c, t)
+                            return out.astype(q.dtype), c
+
+                        return jax.lax.fori_loop(0, args.steps_per_call, body, (q, c))
+
+                return jax.jit(step, donate_argnums=(3,) if donate else (), compiler_options=compiler_options)
+
             def updating(step):
-                return jax.jit(step, donate_argnums=(3,), compiler_options=compiler_options), True
+                return jitted(step, True), True
 
             def reading(step):
                 def read(q, kc, vc, c, t):
                     return step(q, kc, vc, c, t), c
 
-                return jax.jit(read, compiler_options=compiler_options), False
+                return jitted(read, False), False
 
             def nsa_step(platform, compressed):
                 if not compressed:
@@ -182,13 +205,13 @@ def main() -> None:
 
                     timing = measure(call, sync, time_cap_s=0.75)
                     out = call()[0]
-                    row.update(ms=timing["ms"], first_call_s=timing["first_call_s"])
+                    row.update(ms=timing["ms"] / args.steps_per_call, first_call_s=timing["first_call_s"])
                     if impl.startswith("ours"):
                         outputs[impl] = np.asarray(out.astype(jnp.float32))
                         if impl != "ours-xla" and "ours-xla" in outputs:
                             row["max_diff_vs_xla"] = float(np.abs(outputs[impl] - outputs["ours-xla"]).max())
                     if impl == "cudnn" or (impl == "xla-dense" and dense_ms is None):
-                        dense_ms = timing["ms"]
+                        dense_ms = row["ms"]
                 except Exception as err:  # one failing row must not lose the others
                     row["error"] = error_text(err)
                 results["rows"].append(row)
