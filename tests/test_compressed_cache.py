@@ -215,12 +215,18 @@ def test_decoding_sequences_at_positions_of_their_own(rng, platform):
 def test_triton_decoding_splits_the_walks_over_keys(rng, monkeypatch):
     """A decoding step's few programs split the compression's and the top-k's walks over long
     sequences' keys into shares (3 sequences of 600 tokens, 16 keys a step: 2 shares of each
-    sequence's 151 compressed keys, 3 of the top-k's 38 blocks), combined as one walk would have:
-    the reference's output. The compression's tiles hold one sequence's query (its group's 2
+    sequence's 151 compressed keys, 3 of the top-k's 38 blocks), and the window's 24 keys (2 steps,
+    in shares of NEAR_MIN_SPLIT_STEPS = 1 step here), combined as one walk would have: the
+    reference's output. The compression's tiles hold one sequence's query (its group's 2
     heads, padded to tl.dot's 16 rows) rather than all three, whose walk would cover all three
     sequences' keys, each share a third of them; the top-k's tiles one query group (not 4, of
     which 3 would hold no query), padded the same way."""
     config = nsa_dsl.NativeSparseAttentionConfig(block_k=16)
+    source, _ = small_example("nsa")
+    module = codegen.load_module("triton", nsa_dsl.compile(source, config=config).plan, dispatch.for_device(config))
+    monkeypatch.setattr(module, "NEAR_MIN_SPLIT_STEPS", 1)
+    dispatch.kernel.cache_clear()
+    jax.clear_caches()
     launches = []
     launch = triton_glue.launch
 
@@ -229,10 +235,16 @@ def test_triton_decoding_splits_the_walks_over_keys(rng, monkeypatch):
         return launch(kernel, grid, *args, **constants)
 
     monkeypatch.setattr(triton_glue, "launch", recording)
-    check_decoding(rng, "triton", batch=3, seq_len=600, positions=(120, 377, 599), heads_q=4, heads_kv=2,
-                   config=config)
+    try:
+        check_decoding(rng, "triton", batch=3, seq_len=600, positions=(120, 377, 599), heads_q=4, heads_kv=2,
+                       config=config)
+    finally:
+        dispatch.kernel.cache_clear()
+        jax.clear_caches()
     grids = {grid for name, grid, *_ in launches if name == "compression_forward"}
     assert grids == {(3, 2, 2)}, grids
+    window = {grid[2] for name, grid, *_ in launches if name.startswith("static_forward")}
+    assert window == {2}, window
     topk = {(grid[1:], *tiles) for name, grid, *tiles in launches if name == "topk_selection"}
     assert topk == {((2, 3), 1, 16)}, topk  # 3 shares, tiles of 1 group of 16 head slots
 

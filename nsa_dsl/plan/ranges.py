@@ -152,11 +152,16 @@ class StaticLaunch:
     def fused(self) -> bool:
         return len(self.branches) > 1
 
+    def reach(self, block_size: int) -> int:
+        """Keys a query sees at most beyond the global prefix, in any of the launch's branches
+        (MAX_TOKENS: unbounded, or a launch over a table)."""
+        return max(r.reach(block_size) for r in self.ranges) if self.ranges is not None else MAX_TOKENS
+
     def near(self, block_size: int) -> bool:
         """Whether every query sees few keys (NEAR_KEYS at most, beyond a global prefix): such a
         launch is bound by loads more than by arithmetic, and its kernels take tiles of several
         heads sharing each key tile instead of long query tiles (measured on an H200)."""
-        return self.ranges is not None and all(r.reach(block_size) <= NEAR_KEYS for r in self.ranges)
+        return self.reach(block_size) <= NEAR_KEYS
 
 
 def static_launches(plan: Plan) -> tuple[StaticLaunch, ...]:
