@@ -124,6 +124,9 @@ def test_range_branches_share_a_launch_and_read_no_table():
     assert [(launch.name, launch.fused, launch.ranges is None) for launch in launches] == [
         ("swa_sink", True, False), ("drawn", False, True),
     ]
+    # Keys a query sees beyond the global prefix (what bounds a decoding step's walk): the window's;
+    # a table launch's unbounded.
+    assert [launch.reach(64) for launch in launches] == [512, MAX_TOKENS]
     source = codegen.source("triton", plan, None)
     assert "fused_output(\n        static_kernels_swa_sink," in source
     assert 'table_attention(Static(static_kernels_drawn' in source
