@@ -23,10 +23,12 @@ def dry_run(script: str, out: Path, *options: str) -> dict:
     return json.loads((out / script.replace(".py", ".json")).read_text())
 
 
-@pytest.mark.parametrize("positions", ["last", "spread"])
-def test_bench_decode_times_every_row(tmp_path, positions):
-    """Decoding steps of 1 and 2 sequences: nsa_dsl's and dense attention's rows all timed."""
-    rows = dry_run("bench_decode.py", tmp_path, "--positions", positions)["rows"]
+@pytest.mark.parametrize("positions, steps_per_call", [("last", 1), ("spread", 2)])
+def test_bench_decode_times_every_row(tmp_path, positions, steps_per_call):
+    """Decoding steps of 1 and 2 sequences, one step a call or two in a jitted loop: nsa_dsl's and
+    dense attention's rows all timed."""
+    options = ("--positions", positions, "--steps-per-call", str(steps_per_call))
+    rows = dry_run("bench_decode.py", tmp_path, *options)["rows"]
     assert {(row["impl"], row["batch"]) for row in rows} == {
         (impl, batch) for impl in ("ours-xla", "xla-dense") for batch in (1, 2)}
     for row in rows:
