@@ -212,6 +212,31 @@ def test_decoding_sequences_at_positions_of_their_own(rng, platform):
             np.testing.assert_allclose(np.asarray(part), np.asarray(whole), rtol=1e-6, atol=1e-6)
 
 
+def triton_decoding_launches(rng, monkeypatch, constants, *, config=None, **decoding):
+    """check_decoding on the Triton platform (3 sequences of 600 tokens, 4 query heads, 2 KV heads),
+    the generated module's `constants` set first: its launches, (kernel name, grid, constexprs)."""
+    source, _ = small_example("nsa")
+    module = codegen.load_module("triton", nsa_dsl.compile(source, config=config).plan, dispatch.for_device(config))
+    for name, value in constants.items():
+        monkeypatch.setattr(module, name, value)
+    launches = []
+    launch = triton_glue.launch
+
+    def recording(kernel, grid, *args, **constexprs):
+        launches.append((kernel.__name__, tuple(grid), constexprs))
+        return launch(kernel, grid, *args, **constexprs)
+
+    monkeypatch.setattr(triton_glue, "launch", recording)
+    dispatch.kernel.cache_clear()
+    jax.clear_caches()
+    try:
+        check_decoding(rng, "triton", batch=3, seq_len=600, heads_q=4, heads_kv=2, config=config, **decoding)
+    finally:  # no later test may reuse a kernel traced with the constants
+        dispatch.kernel.cache_clear()
+        jax.clear_caches()
+    return launches
+
+
 def test_triton_decoding_splits_the_walks_over_keys(rng, monkeypatch):
     """A decoding step's few programs split the compression's and the top-k's walks over long
     sequences' keys into shares (3 sequences of 600 tokens, 16 keys a step: 2 shares of each
@@ -221,31 +246,13 @@ def test_triton_decoding_splits_the_walks_over_keys(rng, monkeypatch):
     heads, padded to tl.dot's 16 rows) rather than all three, whose walk would cover all three
     sequences' keys, each share a third of them; the top-k's tiles one query group (not 4, of
     which 3 would hold no query), padded the same way."""
-    config = nsa_dsl.NativeSparseAttentionConfig(block_k=16)
-    source, _ = small_example("nsa")
-    module = codegen.load_module("triton", nsa_dsl.compile(source, config=config).plan, dispatch.for_device(config))
-    monkeypatch.setattr(module, "NEAR_MIN_SPLIT_STEPS", 1)
-    dispatch.kernel.cache_clear()
-    jax.clear_caches()
-    launches = []
-    launch = triton_glue.launch
-
-    def recording(kernel, grid, *args, **constants):
-        launches.append((kernel.__name__, tuple(grid), constants.get("GROUPS"), constants.get("GROUP_SLOTS")))
-        return launch(kernel, grid, *args, **constants)
-
-    monkeypatch.setattr(triton_glue, "launch", recording)
-    try:
-        check_decoding(rng, "triton", batch=3, seq_len=600, positions=(120, 377, 599), heads_q=4, heads_kv=2,
-                       config=config)
-    finally:
-        dispatch.kernel.cache_clear()
-        jax.clear_caches()
-    grids = {grid for name, grid, *_ in launches if name == "compression_forward"}
+    launches = triton_decoding_launches(rng, monkeypatch, {"NEAR_MIN_SPLIT_STEPS": 1}, positions=(120, 377, 599),
+                                        config=nsa_dsl.NativeSparseAttentionConfig(block_k=16))
+    grids = {grid for name, grid, _ in launches if name == "compression_forward"}
     assert grids == {(3, 2, 2)}, grids
-    window = {grid[2] for name, grid, *_ in launches if name.startswith("static_forward")}
+    window = {grid[2] for name, grid, _ in launches if name.startswith("static_forward")}
     assert window == {2}, window
-    topk = {(grid[1:], *tiles) for name, grid, *tiles in launches if name == "topk_selection"}
+    topk = {(grid[1:], c["GROUPS"], c["GROUP_SLOTS"]) for name, grid, c in launches if name == "topk_selection"}
     assert topk == {((2, 3), 1, 16)}, topk  # 3 shares, tiles of 1 group of 16 head slots
 
 
@@ -254,26 +261,10 @@ def test_triton_decoding_widens_the_compression_steps_where_the_walk_still_fills
     still splits into shares for SPLIT_PROGRAMS programs (here 12, shares of at least 1 step: 3
     sequences x 2 KV heads = 6 tiles of 151 compressed keys take steps of 64 keys, 2 shares each;
     128 would leave one share a tile), the reference's output all the same."""
-    source, _ = small_example("nsa")
-    module = codegen.load_module("triton", nsa_dsl.compile(source).plan, dispatch.for_device(None))
-    monkeypatch.setattr(module, "SPLIT_PROGRAMS", 12)
-    monkeypatch.setattr(module, "MIN_SPLIT_STEPS", 1)
-    dispatch.kernel.cache_clear()
-    jax.clear_caches()
-    launches = []
-    launch = triton_glue.launch
-
-    def recording(kernel, grid, *args, **constants):
-        launches.append((kernel.__name__, tuple(grid), constants.get("STEP")))
-        return launch(kernel, grid, *args, **constants)
-
-    monkeypatch.setattr(triton_glue, "launch", recording)
-    try:
-        check_decoding(rng, "triton", batch=3, seq_len=600, positions=(377, 599), heads_q=4, heads_kv=2)
-    finally:
-        dispatch.kernel.cache_clear()
-        jax.clear_caches()
-    assert {(grid, step) for name, grid, step in launches if name == "compression_forward"} == {((3, 2, 2), 64)}
+    launches = triton_decoding_launches(rng, monkeypatch, {"SPLIT_PROGRAMS": 12, "MIN_SPLIT_STEPS": 1},
+                                        positions=(377, 599))
+    steps = {(grid, c["STEP"]) for name, grid, c in launches if name == "compression_forward"}
+    assert steps == {((3, 2, 2), 64)}, steps
 
 
 def test_xla_decoding_gathers_only_the_blocks_it_reads(rng, monkeypatch):
