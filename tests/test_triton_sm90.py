@@ -41,9 +41,10 @@ CASES = {
         {"pattern": PER_BLOCK, **BENCHMARK, "heads_q": 16, "heads_kv": 1, "head_dim": 256, "dtype": "float32"},
     ],
     # Decoding steps of 8 sequences: tiles of one query row and a group's heads (padded to 16 rows for
-    # GQA 4), walks split into shares.
+    # GQA 4), walks split into shares; one sequence of 64k tokens splits its top-k too.
     "decoding steps": [
         {"pattern": "nsa.nsa", **BENCHMARK, "batch": 8, "decode": True},
+        {"pattern": "nsa.nsa", **BENCHMARK, "seq_len": 65536, "decode": True},
         {"pattern": "nsa.nsa", **BENCHMARK, "batch": 8, "heads_q": 16, "dtype": "float16", "decode": True},
     ],
 }
@@ -80,8 +81,10 @@ def test_every_kernel_compiles_for_sm90_within_shared_memory(compiled, group):
     assert not too_big, f"more shared memory than an sm_90 block may have ({SM90_SHARED_BYTES} bytes): {too_big}"
     names = {k["kernel"] for k in kernels}
     if group == "decoding steps":
-        # 8 sequences' 32 programs split their selected blocks into shares, merged as the gate applies
-        assert {"compression_forward", "topk_selection", "selection_forward", "gated_merge"} <= names
+        # 8 sequences' 32 programs split their selected blocks into shares, merged as the gate applies;
+        # the compression's and the window's shares merge in merge_shares, the top-k's in topk_merge
+        assert {"compression_forward", "topk_selection", "selection_forward", "gated_merge", "merge_shares",
+                "topk_merge"} <= names
     if group.startswith("benchmark"):
         assert {
             "compression_forward", "topk_selection", "selection_forward", "selection_backward_dkdv",
