@@ -5,7 +5,6 @@ best blocks of a split top-k's shares, ties to the lower id, forced blocks first
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,7 +12,7 @@ from nsa_reference import small_example
 
 import nsa_dsl
 from nsa_dsl import codegen
-from nsa_dsl.runtime import dispatch, triton_glue
+from nsa_dsl.runtime import dispatch
 
 
 @pytest.fixture(scope="module")
@@ -23,9 +22,12 @@ def module():
     return codegen.load_module("triton", nsa_dsl.compile(source).plan, dispatch.for_device(None))
 
 
-@pytest.mark.parametrize("splits, head_dim, dtype", [(1, 32, np.float32), (3, 60, np.float32), (5, 16, np.float16)])
+@pytest.mark.parametrize(
+    "splits, head_dim, dtype",
+    [(1, 32, np.float32), (3, 60, np.float32), (5, 16, np.float16), (37, 32, np.float32), (64, 128, np.float32)],
+)
 def test_merge_shares_is_the_softmax_over_every_share(rng, module, splits, head_dim, dtype):
-    rows = (7, 3)  # 21 (query row, head) rows: two programs, the second part-full
+    rows = (7, 3)  # 21 (query row, head) rows: programs of several, the last part-full
     values = rng.standard_normal((splits, *rows, head_dim))
     lse = rng.standard_normal((splits, *rows)) * 4
     lse[:, 0, 0] = -np.inf  # a row no share saw a key for
@@ -54,9 +56,9 @@ def ranking_keys(module, scores, ids):
     return -np.sort(-keys, axis=-1)
 
 
-@pytest.mark.parametrize("splits, count, count_pad", [(2, 5, 8), (4, 16, 16), (7, 3, 4)])
+@pytest.mark.parametrize("splits, count, count_pad", [(2, 5, 8), (4, 16, 16), (7, 3, 4), (64, 16, 16)])
 def test_topk_merge_keeps_the_best_blocks_of_every_share(rng, module, splits, count, count_pad):
-    rows = 19  # (query group, KV head) rows: two programs
+    rows = 19  # (query group, KV head) rows: programs of several, the last part-full
     blocks = splits * count_pad
     # Shares pick distinct blocks; scores repeat (ties go to the lower id), some are forced (+inf),
     # and shares hold fewer than count_pad blocks (empty slots), some none at all.
@@ -66,13 +68,7 @@ def test_topk_merge_keeps_the_best_blocks_of_every_share(rng, module, splits, co
     ids[:, 0] = -1
     keys = ranking_keys(module, scores, ids)  # [splits, rows, count_pad]
 
-    (chosen,) = triton_glue.launch(
-        module.topk_merge, (-(-rows // module.TOPK_MERGE_ROWS),),
-        [jnp.asarray(keys.view(np.int32)), rows],
-        [jax.ShapeDtypeStruct((rows, count), jnp.int32)],
-        num_warps=4, num_stages=1,
-        COUNT=count, COUNT_PAD=count_pad, ROWS=module.TOPK_MERGE_ROWS, SPLITS=splits,
-    )
+    chosen = module.merge_topk_shares(jnp.asarray(keys.view(np.int32)), (rows, count), count_pad)
 
     for row in range(rows):
         entries = sorted((-s, i) for s, i in zip(scores[:, row].ravel(), ids[:, row].ravel()) if i >= 0)
