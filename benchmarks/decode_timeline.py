@@ -96,6 +96,7 @@ def main() -> None:
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
         run(PROFILED_STEPS)
+    os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"timeline_{args.label}_T{args.length}_B{args.batch}.json")
     profiler.export_chrome_trace(path)
     with open(path) as trace:
