@@ -87,7 +87,7 @@ def test_every_kernel_compiles_for_sm90_within_shared_memory(compiled, group):
     names = {k["kernel"] for k in kernels}
     if group == "decoding steps":
         # 8 sequences' 32 programs split their selected blocks into shares, merged as the gate applies;
-        # one sequence of 64k tokens splits its top-k, merged by topk_merge
+        # one sequence of 1M tokens splits its top-k into 64 shares, merged by topk_merge
         assert {"compression_forward", "topk_selection", "selection_forward", "gated_merge", "topk_merge"} <= names
     if group.startswith("benchmark"):
         assert {
