@@ -42,7 +42,7 @@ def test_topk_merge_keeps_the_best_blocks_of_every_share(rng, module, splits, co
     ids[:, 0] = -1
     keys = ranking_keys(module, scores, ids)  # [splits, rows, count_pad]
 
-    chosen = module.merge_topk_shares(jnp.asarray(keys.view(np.int32)), (rows, count), count_pad)
+    chosen = module.merge_topk_shares(jnp.asarray(keys.view(np.int32)), (rows, count))
 
     for row in range(rows):
         entries = sorted((-s, i) for s, i in zip(scores[:, row].ravel(), ids[:, row].ravel()) if i >= 0)
