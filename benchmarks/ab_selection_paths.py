@@ -1,6 +1,7 @@
-"""Two A/B timings of the Triton selection kernels on one GPU, each pair in one process.
+"""A/B timings of the Triton selection kernels on one GPU, each set in one process.
 
-    PYTHONPATH=. python benchmarks/ab_selection_paths.py [--length 65536] [--rounds 2]
+    PYTHONPATH=. python benchmarks/ab_selection_paths.py [--length 65536] [--rounds 2] [--cases gated,block,order]
+        [--variants "NAME=VALUE,...;..."]
 
 gated: the same jitted call undifferentiated (the last selection kernel writes the pattern's gated
 sum: gated_selection_forward) against the forward of jax.vjp (the plain selection kernel, its
@@ -10,6 +11,10 @@ with a 512 window. block: a `per block(Q)` selection as block-sparse attention (
 forward's and dq's programs take tokens of a group that share each loaded block; dk/dv walk the
 groups that selected their block) against the per-token kernels (Q = 1), forward and forward +
 backward, on the same selections (the tokens of each group of 64 share its 16 random blocks).
+order: per-token selections (bench_gpu.py's random ones) through native_sparse_attention, forward
+and forward + backward, under each of --variants: constants of the generated module (integers,
+or LAUNCH.<kernel>=WARPSxSTAGES), e.g. BLOCK_OUTER_PAIRS=0 (the forward key block by key block)
+against BLOCK_OUTER_PAIRS=1099511627776 (token by token); differences against the first variant.
 B=1, HQ=64, HKV=4, D=128, bfloat16, 16 blocks of 64 (the issue 4 setting); median ms
 (timing.py) and the largest output difference of each pair. Results: benchmarks/results/ab_*.
 """
@@ -28,12 +33,13 @@ sys.path.insert(0, HERE)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from bench_gpu import NSA_PATTERN  # noqa: E402
+from bench_gpu import NSA_PATTERN, Settings, random_selections  # noqa: E402
 from timing import measure  # noqa: E402
 
 import nsa_dsl  # noqa: E402
+from nsa_dsl import codegen  # noqa: E402
 from nsa_dsl.codegen import cache  # noqa: E402
-from nsa_dsl.runtime import layout  # noqa: E402
+from nsa_dsl.runtime import dispatch, layout  # noqa: E402
 
 HQ, HKV, D, S, BLOCK = 64, 4, 128, 16, 64
 
@@ -105,12 +111,63 @@ def block(length: int, query_blocks: list[int]) -> None:
               f"max|d| vs Q={query_blocks[0]}: out {diff[0]:.2e} dq {diff[1]:.2e} dk {diff[2]:.2e} dv {diff[3]:.2e}", flush=True)
 
 
+def set_constants(variant: str) -> None:
+    """Every Triton module loaded from now on gets the variant's constants (NAME=VALUE,...)."""
+    load = getattr(codegen.load_module, "unpatched", codegen.load_module)
+
+    def loading(platform, plan, config=None):
+        module = load(platform, plan, config)
+        for item in filter(None, variant.split(",")):
+            name, value = item.split("=")
+            if name.startswith("LAUNCH."):
+                warps, stages = value.split("x")
+                module.LAUNCH = {**module.LAUNCH, name[len("LAUNCH."):]: (int(warps), int(stages))}
+            else:
+                getattr(module, name)  # raises for a name the module lacks
+                setattr(module, name, int(value))
+        return module
+
+    loading.unpatched = load
+    codegen.load_module = loading
+    dispatch.kernel.cache_clear()
+    jax.clear_caches()
+
+
+def order(length: int, variants: list[str]) -> None:
+    keys = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(keys[0], (1, length, HQ, D), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (1, length, HKV, D), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (1, length, HKV, D), jnp.bfloat16)
+    d_out = jax.random.normal(keys[3], q.shape, jnp.bfloat16)
+    settings = Settings(q_heads=HQ, kv_heads=HKV, head_dim=D, block=BLOCK, selected=S)
+    indices = jnp.asarray(random_selections(np.random.default_rng([0, length]), settings, length))
+    cfg = nsa_dsl.NativeSparseAttentionConfig(block_size=BLOCK)
+
+    def attention(q, k, v):
+        return nsa_dsl.native_sparse_attention(q, k, v, None, None, indices, S, None, platform="triton", cfg=cfg)
+
+    first = None
+    for variant in variants:
+        set_constants(variant)
+        forward = jax.jit(attention)
+        both = jax.jit(lambda q, k, v: jax.vjp(attention, q, k, v)[1](d_out))
+        ms = [measure(lambda f=f: f(q, k, v), jax.block_until_ready, time_cap_s=2.0)["ms"] for f in (forward, both)]
+        results = [np.asarray(x.astype(jnp.float32)) for x in (forward(q, k, v), *both(q, k, v))]
+        first = first or results
+        diff = [float(np.abs(a - b).max()) for a, b in zip(results, first)]
+        print(f"{variant or 'defaults'}: forward {ms[0]:.3f} ms  forward+backward {ms[1]:.3f} ms  max|d| vs "
+              f"{variants[0] or 'defaults'}: out {diff[0]:.2e} dq {diff[1]:.2e} dk {diff[2]:.2e} dv {diff[3]:.2e}",
+              flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--length", type=int, default=65536)
     parser.add_argument("--rounds", type=int, default=2, help="rounds of the gated A/B")
     parser.add_argument("--cases", default="gated,block")
     parser.add_argument("--query-blocks", default="1,16,64", help="Q of the block case's selections (1: per token)")
+    parser.add_argument("--variants", default="BLOCK_OUTER_PAIRS=1099511627776;BLOCK_OUTER_PAIRS=0",
+                        help="the order case's module constants, variants separated by ';'")
     args = parser.parse_args()
     print(f"ab_selection_paths: T={args.length} B=1 HQ={HQ} HKV={HKV} D={D} bfloat16, {S} blocks of {BLOCK}, "
           f"device {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
@@ -118,6 +175,8 @@ def main() -> None:
         gated(args.length, args.rounds)
     if "block" in args.cases:
         block(args.length, [int(x) for x in args.query_blocks.split(",")])
+    if "order" in args.cases:
+        order(args.length, args.variants.split(";"))
 
 
 if __name__ == "__main__":

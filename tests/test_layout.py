@@ -114,7 +114,9 @@ def test_clean_selection_keeps_exactly_the_entries_that_count(rng):
 
 @pytest.mark.parametrize("one_key", [True, False], ids=["one int32 key", "key and row pairs"])
 def test_pair_lists_are_the_selection_transposed(rng, monkeypatch, one_key):
-    """Both sorts: one int32 key per pair, and (key, row) pairs where that key would not fit."""
+    """Both sorts: one int32 key per pair, and (key, row) pairs where that key would not fit; the
+    lists' segments of 7 rows, the list of entries naming no block (every entry is in one list)
+    included."""
     monkeypatch.setattr(layout, "ONE_KEY_LIMIT", layout.ONE_KEY_LIMIT if one_key else 0)
     heads_kv, width = 3, 4
     offsets = layout.sequence_offsets(np.array(CU_SEQLENS), 1, TOTAL)
@@ -122,9 +124,23 @@ def test_pair_lists_are_the_selection_transposed(rng, monkeypatch, one_key):
     indices = rng.integers(-1, 3, (TOTAL, heads_kv, width)).astype(np.int32)
     cleaned = layout.clean_selection(indices, np.full((TOTAL, heads_kv), width, np.int32), rows, BLOCK)
     blocks = layout.sequence_blocks(offsets, TOTAL, BLOCK)
-    pairs = layout.selection_by_key_block(cleaned, rows.seq, blocks, slots=True)
+    pairs = layout.selection_by_key_block(cleaned, rows.seq, blocks, slots=True, segment_rows=7)
     tokens, slots, bounds = np.asarray(pairs.tokens), np.asarray(pairs.slots), np.asarray(pairs.offsets)
     cleaned, seq_first = np.asarray(cleaned), np.asarray(blocks.seq_first)
+    segments, per_list = np.asarray(pairs.segments), -(-TOTAL // 7)
+    assert segments.shape == (heads_kv * (blocks.count + 1) * per_list + 1,) and segments[-1] == tokens.size
+    for h in range(heads_kv):
+        for b in range(blocks.count + 1):
+            for r in range(per_list):
+                at = (h * (blocks.count + 1) + b) * per_list + r
+                span = slice(segments[at], segments[at + 1])
+                listed = list(zip(tokens[span].tolist(), slots[span].tolist()))
+                names = [
+                    (row, e) for row in range(r * 7, min(r * 7 + 7, TOTAL)) for e in range(width)
+                    if (seq_first[sequence_of(row)[0]] + cleaned[row, h, e] if cleaned[row, h, e] >= 0
+                        else blocks.count) == b
+                ]
+                assert sorted(listed) == names, (h, b, r)
     for h in range(heads_kv):
         for b in range(blocks.count):
             expected = [

@@ -18,7 +18,8 @@ import pytest
 from conftest import check_selection_against_reference, gate, qkv, random_indices, triton_launches
 
 import nsa_dsl
-from nsa_dsl.runtime import triton_glue
+from nsa_dsl import codegen
+from nsa_dsl.runtime import dispatch, triton_glue
 
 # float16 kernels round p and ds to float16 before their matrix products.
 TOLERANCE = {np.float32: 2e-5, np.float16: 5e-3}
@@ -75,6 +76,59 @@ def test_few_programs_split_their_walks_over_the_selected_blocks(rng, monkeypatc
         rng, small_steps, q, k, v, g_slc, indices, counts, 8, cu_seqlens, (tolerance, tolerance)))
     assert {grid[2] for name, grid in launches if name == "selection_forward"} == {7}, launches
     assert "gated_merge" in {name for name, _ in launches}, "not differentiated: the shares merge as the gate applies"
+
+
+@pytest.fixture
+def block_outer_forward(monkeypatch):
+    """Every per-token selection's forward runs key block by key block (BLOCK_OUTER_PAIRS = 0), its
+    pair lists in segments of 16 rows (several a list)."""
+    load = codegen.load_module
+
+    def loading(platform, plan, config=None):
+        module = load(platform, plan, config)
+        if platform == "triton":
+            monkeypatch.setattr(module, "BLOCK_OUTER_PAIRS", 0)
+            monkeypatch.setattr(module, "SEGMENT_ROWS", 16)
+        return module
+
+    monkeypatch.setattr(codegen, "load_module", loading)
+    dispatch.kernel.cache_clear()
+    jax.clear_caches()
+    yield
+    dispatch.kernel.cache_clear()  # no later test may reuse a kernel traced with these constants
+    jax.clear_caches()
+
+
+@pytest.mark.parametrize(
+    "dtype, batch, seq_len, heads_q, heads_kv, head_dim, width, block, cu_seqlens, memory",
+    [
+        (np.float32, 2, 63, 2, 1, 60, 4, 16, None, None),  # group 2, T not a multiple of the block
+        (np.float16, 1, 70, 16, 2, 32, 3, 8, None, None),  # group 8 with 2 KV heads
+        # the backward's score gradients in two slices of one KV head (300 KB: parts fit, half the scores)
+        (np.float16, 1, 70, 16, 2, 32, 3, 8, None, 300_000),
+        (np.float32, 1, 45, 17, 1, 32, 5, 8, np.array([0, 9, 30, 40], np.int32), None),  # group 17, packed, rows of none
+    ],
+)
+def test_key_block_outer_forward(rng, monkeypatch, block_outer_forward, dtype, batch, seq_len, heads_q, heads_kv,
+                                 head_dim, width, block, cu_seqlens, memory):
+    """The forward key block by key block (selection_forward_by_block: each entry's part of a
+    token's softmax, merged by merge_splits, or by gated_merge as the gate applies), with per-token
+    counts of 0 to S (entries naming no block), out-of-range entries and repeats: the reference's
+    output and gradients, the backward walking the forward's pair lists (by slices of KV heads
+    where `memory` holds the score gradients of one)."""
+    if memory is not None:
+        monkeypatch.setattr(triton_glue, "_device_memory_bytes", lambda: memory)
+        monkeypatch.setenv("NSA_DSL_PAIR_PARTS_SHARE", "1")
+    q, k, v = qkv(rng, batch, seq_len, heads_q, heads_kv, head_dim, dtype=dtype)
+    indices = random_indices(rng, batch, seq_len, heads_kv, width, block, cu_seqlens)
+    counts = rng.integers(0, width + 1, (batch, seq_len, heads_kv)).astype(np.int32)
+    g_slc = gate(rng, batch, seq_len, heads_q).astype(dtype)
+    launches = [name for name, _ in triton_launches(monkeypatch, lambda: check_forward_and_gradients(
+        rng, q, k, v, g_slc, indices, counts, block, cu_seqlens))]
+    assert launches.count("selection_forward_by_block") == 2, launches  # differentiated and not
+    assert "selection_forward" not in launches and "gated_selection_forward" not in launches, launches
+    assert "gated_merge" in launches, "not differentiated: the parts merge as the gate applies"
+    assert launches.count("selection_backward_dkdv") == (heads_kv if memory else 1), launches
 
 
 @pytest.mark.parametrize(

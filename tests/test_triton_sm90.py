@@ -5,7 +5,8 @@ The interpreter tests check what the kernels compute; this checks what only a GP
 otherwise reveal: code the interpreter accepts but the compiler rejects (a non-constexpr bound of
 tl.static_range, say) and tiles that ask more shared memory than the multiprocessor has (float32
 with wide heads). Shapes are the benchmark's (GQA 16, D = 128, bfloat16) and the widest float32
-heads; sequence lengths do not change the kernels."""
+heads; sequence lengths change the kernels only where long selections run their forward key block
+by key block (BLOCK_OUTER_PAIRS: 64k tokens here) and decoding steps split their walks."""
 
 from __future__ import annotations
 
@@ -23,13 +24,18 @@ SM90_SHARED_BYTES = 232448
 SLOWEST_COMPILE_S = 120
 
 BENCHMARK = {"batch": 1, "seq_len": 4096, "heads_q": 64, "heads_kv": 4, "head_dim": 128, "dtype": "bfloat16"}
+LONG = 1 << 16
 PER_BLOCK = (
     "pattern p\nblock 64\ncausal\nbranch cmp = compress(block=64, stride=64) gate g_cmp\n"
     "branch slc = topk(16, block=64, score=cmp, force=local(1)) per block(64) gate g_slc\n"
 )
 CASES = {
-    # Full NSA (compression, top-k, selection, window) and explicit selection at the benchmark's shape.
-    "benchmark shape, bfloat16": [{"pattern": "nsa.nsa", **BENCHMARK}, {"selection": True, **BENCHMARK}],
+    # Full NSA (compression, top-k, selection, window) and explicit selection at the benchmark's shape,
+    # short and long.
+    "benchmark shape, bfloat16": [
+        {"pattern": "nsa.nsa", **BENCHMARK}, {"selection": True, **BENCHMARK},
+        {"selection": True, **BENCHMARK, "seq_len": LONG},
+    ],
     # Static patterns with fused and tabled launches; NSA in float32 (half the rows per tile) and
     # without GQA; the widest float32 heads of explicit selection and of a `per block(Q)` selection
     # (64 KB of group rows beside a 128 KB key block a step).
@@ -39,6 +45,8 @@ CASES = {
         {"pattern": "nsa_meanpool.nsa", **BENCHMARK, "heads_q": 12, "head_dim": 100, "dtype": "float32"},
         {"pattern": "nsa.nsa", **BENCHMARK, "heads_q": 4, "head_dim": 64},  # no GQA: a tile of 64 tokens
         {"selection": True, **BENCHMARK, "heads_q": 16, "heads_kv": 1, "head_dim": 256, "dtype": "float32"},
+        {"selection": True, **BENCHMARK, "seq_len": LONG, "heads_q": 16, "heads_kv": 1, "head_dim": 256,
+         "dtype": "float32"},
         {"pattern": PER_BLOCK, **BENCHMARK, "heads_q": 16, "heads_kv": 1, "head_dim": 256, "dtype": "float32"},
     ],
     # Decoding steps of 8 sequences: tiles of one query row and a group's heads (padded to 16 rows for
@@ -91,6 +99,7 @@ def test_every_kernel_compiles_for_sm90_within_shared_memory(compiled, group):
         assert {"compression_forward", "topk_selection", "selection_forward", "gated_merge", "topk_merge"} <= names
     if group.startswith("benchmark"):
         assert {
-            "compression_forward", "topk_selection", "selection_forward", "selection_backward_dkdv",
+            "compression_forward", "topk_selection", "selection_forward", "selection_forward_by_block",
+            "selection_backward_dkdv",
             "selection_backward_dq", "selection_backward_dq_from_scores",
         } <= names

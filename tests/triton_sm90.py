@@ -7,7 +7,7 @@ be imported without TRITON_INTERPRET, which nsa_dsl would otherwise switch on he
 SPEC_JSON: a list of {"pattern": .nsa text or an examples/ file, "batch", "seq_len", "heads_q",
 "heads_kv", "head_dim", "dtype", "selection": true for native_sparse_attention's explicit
 block_indices, "decode": true for a decoding step}. Each case's forward and backward (both orders
-of the selection backward) are traced (not run), or a decoding step's forward (one query a batch
+of the selection backward) and its forward alone are traced (not run), or a decoding step's forward (one query a batch
 row at its last key row, reading a compressed cache): every `triton_glue.launch`
 is recorded with the argument types jax-triton would give the kernel (pointers 16-byte aligned,
 integers i32, a scalar equal to 1 specialised to the constant), then each distinct kernel is
@@ -109,11 +109,13 @@ def trace(case: dict) -> None:
             return
 
     loss = lambda q, k, v: jnp.sum(attention(q, k, v).astype(jnp.float32))  # noqa: E731
-    # Both orders of the selection backward: score gradients stored for dq, and recomputed by it.
+    # Both orders of the selection backward: score gradients stored for dq, and recomputed by it; and
+    # the forward alone (its gated kernels), with and without the memory for a key-block-outer forward.
     for stored in (True, False):
         triton_glue.fits_device_memory = lambda nbytes, share, stored=stored: stored
         jax.clear_caches()  # the generated entry points are jitted: trace them again
         jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).trace(q, k, v)
+        jax.jit(attention).trace(q, k, v)
 
 
 def record_launches(cases: list[dict]) -> None:

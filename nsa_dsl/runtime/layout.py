@@ -252,11 +252,16 @@ class PairLists(NamedTuple):
     tokens[offsets[h, b] : offsets[h, b + 1]] are the rows, ascending, whose selection for KV
     head h holds key block b (a Blocks id); slots[i], where asked for, is the entry of row
     tokens[i]'s selection that names the block. A row is a token, or whatever the selections
-    belong to (a `per block(Q)` group of tokens)."""
+    belong to (a `per block(Q)` group of tokens). Where asked for, segments cut every list (the
+    last, of entries naming no block, included) by rows into spans of `segment_rows` rows:
+    segments[(h * (num key blocks + 1) + b) * R + r] is where the rows [r * segment_rows,
+    (r + 1) * segment_rows) of list (h, b) begin, R = ceil(N / segment_rows), and its last element
+    the number of pairs."""
 
     tokens: jax.Array  # [HKV * N * S] int32
     offsets: jax.Array  # [HKV, num key blocks + 1] int32
     slots: jax.Array | None = None  # [HKV * N * S] int32
+    segments: jax.Array | None = None  # [HKV * (num key blocks + 1) * R + 1] int32
 
 
 # Pair lists sort one int32 key per (row, entry) pair where (HKV * (key blocks + 1) * N) fits:
@@ -264,11 +269,14 @@ class PairLists(NamedTuple):
 ONE_KEY_LIMIT = 2**31
 
 
-def selection_by_key_block(selected: jax.Array, seq: jax.Array, blocks: Blocks, slots: bool = False) -> PairLists:
+def selection_by_key_block(
+    selected: jax.Array, seq: jax.Array, blocks: Blocks, slots: bool = False, segment_rows: int | None = None,
+) -> PairLists:
     """Transpose cleaned selections [N, HKV, S] (clean_selection) of rows of the sequences `seq`
     [N] into pair lists, on device: number every (row, entry) pair by its (KV head, key block)
-    list, sort, and find each list's range by binary search; with `slots`, each pair's entry too.
-    Deterministic: no atomics, rows stay in ascending order."""
+    list, sort, and find each list's range by binary search; with `slots`, each pair's entry too;
+    with `segment_rows`, the lists' segments of that many rows. Deterministic: no atomics, rows
+    stay in ascending order."""
     total, heads_kv, entries = selected.shape
     lists_per_head = blocks.count + 1  # the last: entries naming no block, sorted after every real one
     block_id = jnp.where(selected >= 0, blocks.block_id(seq[:, None, None], selected), blocks.count)
@@ -279,22 +287,29 @@ def selection_by_key_block(selected: jax.Array, seq: jax.Array, blocks: Blocks, 
         # block at most once (clean_selection), so a block's keys are distinct and the entry can ride
         # along as the sort's payload (measured on the H200 at 64k: finding it again afterwards, by
         # gathering and comparing the row's entries, cost 1.1 ms of the lists' 1.44). Only the last
-        # list, entries naming no block, repeats keys; no kernel reads it.
+        # list, entries naming no block, repeats keys: a row's pairs there come in any order.
         keys = (list_id * total + jnp.arange(total, dtype=jnp.int32)[None, :, None]).reshape(-1)
         if slots:
             entry = jnp.broadcast_to(jnp.arange(entries, dtype=jnp.int32), list_id.shape).reshape(-1)
             keys, entry = lax.sort((keys, entry), num_keys=1)
         else:
             keys, entry = lax.sort(keys), None
-        return PairLists(keys % total, search_sorted(keys, bounds * total, side="left").astype(jnp.int32), entry)
-    keys = list_id.reshape(-1)
-    row_entries = jnp.broadcast_to(jnp.arange(total * entries, dtype=jnp.int32).reshape(1, total, entries), list_id.shape)
-    keys, row_entries = lax.sort((keys, row_entries.reshape(-1)), is_stable=True, num_keys=1)
-    return PairLists(
-        row_entries // entries,
-        search_sorted(keys, bounds, side="left").astype(jnp.int32),
-        row_entries % entries if slots else None,
-    )
+        lists, rows = keys // total, keys % total
+        offsets = search_sorted(keys, bounds * total, side="left").astype(jnp.int32)
+    else:
+        keys = list_id.reshape(-1)
+        row_entries = jnp.broadcast_to(jnp.arange(total * entries, dtype=jnp.int32).reshape(1, total, entries), list_id.shape)
+        lists, row_entries = lax.sort((keys, row_entries.reshape(-1)), is_stable=True, num_keys=1)
+        rows, entry = row_entries // entries, row_entries % entries if slots else None
+        offsets = search_sorted(lists, bounds, side="left").astype(jnp.int32)
+    segments = None
+    if segment_rows is not None:
+        # (list, row // segment_rows) numbers the pairs' segments in their sorted order.
+        per_list = -(-total // segment_rows)
+        segment = lists * per_list + rows // segment_rows
+        bounds = jnp.arange(lists_per_head * heads_kv * per_list + 1, dtype=jnp.int32)
+        segments = search_sorted(segment, bounds, side="left")
+    return PairLists(rows, offsets, entry, None if segments is None else segments.astype(jnp.int32))
 
 
 class TransposedTable(NamedTuple):
