@@ -6,7 +6,7 @@ otherwise reveal: code the interpreter accepts but the compiler rejects (a non-c
 tl.static_range, say) and tiles that ask more shared memory than the multiprocessor has (float32
 with wide heads). Shapes are the benchmark's (GQA 16, D = 128, bfloat16) and the widest float32
 heads; sequence lengths change the kernels only where long selections run their forward key block
-by key block (BLOCK_OUTER_PAIRS: 64k tokens here) and decoding steps split their walks."""
+by key block (BLOCK_OUTER_PAIRS: 128k tokens here) and decoding steps split their walks."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ SM90_SHARED_BYTES = 232448
 SLOWEST_COMPILE_S = 120
 
 BENCHMARK = {"batch": 1, "seq_len": 4096, "heads_q": 64, "heads_kv": 4, "head_dim": 128, "dtype": "bfloat16"}
-LONG = 1 << 16
+LONG = 1 << 17
 PER_BLOCK = (
     "pattern p\nblock 64\ncausal\nbranch cmp = compress(block=64, stride=64) gate g_cmp\n"
     "branch slc = topk(16, block=64, score=cmp, force=local(1)) per block(64) gate g_slc\n"
