@@ -111,19 +111,29 @@ def block(length: int, query_blocks: list[int]) -> None:
               f"max|d| vs Q={query_blocks[0]}: out {diff[0]:.2e} dq {diff[1]:.2e} dk {diff[2]:.2e} dv {diff[3]:.2e}", flush=True)
 
 
+# The values set_constants replaced, per module: every variant starts from the module's own.
+_replaced: dict[tuple[int, str], object] = {}
+
+
 def set_constants(variant: str) -> None:
-    """Every Triton module loaded from now on gets the variant's constants (NAME=VALUE,...)."""
+    """Every Triton module loaded from now on gets the variant's constants (NAME=VALUE,...), and
+    only those: what an earlier variant set is undone first."""
     load = getattr(codegen.load_module, "unpatched", codegen.load_module)
 
     def loading(platform, plan, config=None):
         module = load(platform, plan, config)
+        for (module_id, name), value in list(_replaced.items()):
+            if module_id == id(module):
+                setattr(module, name, value)
+                del _replaced[module_id, name]
         for item in filter(None, variant.split(",")):
             name, value = item.split("=")
+            attribute = "LAUNCH" if name.startswith("LAUNCH.") else name
+            _replaced.setdefault((id(module), attribute), getattr(module, attribute))  # raises for a name it lacks
             if name.startswith("LAUNCH."):
                 warps, stages = value.split("x")
                 module.LAUNCH = {**module.LAUNCH, name[len("LAUNCH."):]: (int(warps), int(stages))}
             else:
-                getattr(module, name)  # raises for a name the module lacks
                 setattr(module, name, int(value))
         return module
 
