@@ -8,7 +8,8 @@ Run on a machine with a GPU build of jax, triton and jax-triton, from the reposi
 1. Correctness: explicit per-token selection through `nsa_dsl.native_sparse_attention(...,
    platform="triton")` (jax-triton kernels) in bfloat16, float16 and float32 on small random
    problems — odd lengths, head dims 60/64/100/128/192, GQA groups 1/3/4/16, per-token
-   block_counts, out-of-range and repeated entries, cu_seqlens — forward and the gradients of
+   block_counts, out-of-range and repeated entries, cu_seqlens, the forward token by token and key
+   block by key block (the "outer" cases) — forward and the gradients of
    q, k, v and the gate, each against tests/reference.py's float64 dense reference; the same for
    static patterns (window + global, nested set algebra bidirectional, two gated branches on
    packed sequences); and Native Sparse Attention (compression, top-k selection, sliding window;
@@ -31,6 +32,7 @@ Results go to stdout as tables and to DIR/gpu_check.json (DIR: --out, else $OUT,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import math
@@ -83,7 +85,41 @@ CORRECTNESS_CASES = [
     ("gqa16 d128", 1, 300, 16, 1, 128, 4, 64, None),
     ("gqa4 d192", 1, 130, 8, 2, 192, 3, 32, None),
     ("varlen gqa4 d64", 1, 700, 8, 2, 64, 6, 32, [0, 15, 205, 550, 690]),
+    ("outer gqa16 d128", 1, 300, 16, 1, 128, 4, 64, None),
+    ("outer varlen gqa4", 1, 700, 8, 2, 64, 6, 32, [0, 15, 205, 550, 690]),
 ]
+# Selection cases whose forward runs key block by key block (selection_forward_by_block, its lists in
+# segments of 64 rows), which problems this small would not choose (BLOCK_OUTER_PAIRS).
+KEY_BLOCK_OUTER = {"outer gqa16 d128", "outer varlen gqa4"}
+
+
+@contextlib.contextmanager
+def module_constants(**constants):
+    """Generated modules loaded meanwhile have `constants` set (restored after)."""
+    from nsa_dsl import codegen
+    from nsa_dsl.runtime import dispatch
+
+    load = codegen.load_module
+    replaced = {}
+
+    def loading(platform, plan, config=None):
+        module = load(platform, plan, config)
+        for name, value in constants.items():
+            replaced.setdefault((id(module), name), (module, getattr(module, name)))
+            setattr(module, name, value)
+        return module
+
+    codegen.load_module = loading
+    dispatch.kernel.cache_clear()
+    jax.clear_caches()
+    try:
+        yield
+    finally:
+        codegen.load_module = load
+        for (_, name), (module, value) in replaced.items():
+            setattr(module, name, value)
+        dispatch.kernel.cache_clear()  # nothing traced with the constants may be reused
+        jax.clear_caches()
 
 
 def random_problem(rng, B, T, HQ, HKV, D, S, block, cu):
@@ -99,6 +135,12 @@ def random_problem(rng, B, T, HQ, HKV, D, S, block, cu):
 
 
 def check_case(name, dtype, B, T, HQ, HKV, D, S, block, cu, platform="triton") -> dict:
+    outer = name in KEY_BLOCK_OUTER and platform == "triton"
+    with module_constants(BLOCK_OUTER_PAIRS=0, SEGMENT_ROWS=64) if outer else contextlib.nullcontext():
+        return check_selection(name, dtype, B, T, HQ, HKV, D, S, block, cu, platform)
+
+
+def check_selection(name, dtype, B, T, HQ, HKV, D, S, block, cu, platform) -> dict:
     rng = np.random.default_rng(zlib.crc32(f"{name} {dtype}".encode()))
     q, k, v, gate, indices, counts, d_out = random_problem(rng, B, T, HQ, HKV, D, S, block, cu)
     cfg = nsa_dsl.NativeSparseAttentionConfig(block_size=block)
