@@ -34,12 +34,12 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from bench_gpu import NSA_PATTERN, Settings, random_selections  # noqa: E402
+from module_constants import module_constants, parse_variant  # noqa: E402
 from timing import measure  # noqa: E402
 
 import nsa_dsl  # noqa: E402
-from nsa_dsl import codegen  # noqa: E402
 from nsa_dsl.codegen import cache  # noqa: E402
-from nsa_dsl.runtime import dispatch, layout  # noqa: E402
+from nsa_dsl.runtime import layout  # noqa: E402
 
 HQ, HKV, D, S, BLOCK = 64, 4, 128, 16, 64
 
@@ -111,38 +111,6 @@ def block(length: int, query_blocks: list[int]) -> None:
               f"max|d| vs Q={query_blocks[0]}: out {diff[0]:.2e} dq {diff[1]:.2e} dk {diff[2]:.2e} dv {diff[3]:.2e}", flush=True)
 
 
-# The values set_constants replaced, per module: every variant starts from the module's own.
-_replaced: dict[tuple[int, str], object] = {}
-
-
-def set_constants(variant: str) -> None:
-    """Every Triton module loaded from now on gets the variant's constants (NAME=VALUE,...), and
-    only those: what an earlier variant set is undone first."""
-    load = getattr(codegen.load_module, "unpatched", codegen.load_module)
-
-    def loading(platform, plan, config=None):
-        module = load(platform, plan, config)
-        for (module_id, name), value in list(_replaced.items()):
-            if module_id == id(module):
-                setattr(module, name, value)
-                del _replaced[module_id, name]
-        for item in filter(None, variant.split(",")):
-            name, value = item.split("=")
-            attribute = "LAUNCH" if name.startswith("LAUNCH.") else name
-            _replaced.setdefault((id(module), attribute), getattr(module, attribute))  # raises for a name it lacks
-            if name.startswith("LAUNCH."):
-                warps, stages = value.split("x")
-                module.LAUNCH = {**module.LAUNCH, name[len("LAUNCH."):]: (int(warps), int(stages))}
-            else:
-                setattr(module, name, int(value))
-        return module
-
-    loading.unpatched = load
-    codegen.load_module = loading
-    dispatch.kernel.cache_clear()
-    jax.clear_caches()
-
-
 def order(length: int, variants: list[str]) -> None:
     keys = jax.random.split(jax.random.key(0), 4)
     q = jax.random.normal(keys[0], (1, length, HQ, D), jnp.bfloat16)
@@ -164,12 +132,13 @@ def order(length: int, variants: list[str]) -> None:
     difference = jax.jit(largest_difference)
     first = None
     for variant in variants:
-        set_constants(variant)
-        forward = jax.jit(attention)
-        both = jax.jit(lambda q, k, v, indices, d_out: jax.vjp(lambda *x: attention(*x, indices), q, k, v)[1](d_out))
-        ms = [measure(call, jax.block_until_ready, time_cap_s=2.0)["ms"]
-              for call in (lambda: forward(q, k, v, indices), lambda: both(q, k, v, indices, d_out))]
-        results = [forward(q, k, v, indices), *both(q, k, v, indices, d_out)]
+        with module_constants(parse_variant(variant)):
+            forward = jax.jit(attention)
+            both = jax.jit(lambda q, k, v, indices, d_out: jax.vjp(
+                lambda *x: attention(*x, indices), q, k, v)[1](d_out))
+            ms = [measure(call, jax.block_until_ready, time_cap_s=2.0)["ms"]
+                  for call in (lambda: forward(q, k, v, indices), lambda: both(q, k, v, indices, d_out))]
+            results = [forward(q, k, v, indices), *both(q, k, v, indices, d_out)]
         first = first or results
         diff = [float(difference(a, b)) for a, b in zip(results, first)]
         print(f"{variant or 'defaults'}: forward {ms[0]:.3f} ms  forward+backward {ms[1]:.3f} ms  max|d| vs "

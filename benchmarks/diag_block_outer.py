@@ -7,9 +7,9 @@ bench_gpu.py's random causal blocks of 64):
 Times, each jitted alone (timing.py): the pair lists with their segments, the parts kernel, XLA's
 merge of the parts (merge_splits), the per-token forward, and native_sparse_attention's whole
 forward with the module's constants; prints the largest differences of the merged output and lse
-from the per-token forward's. A VARIANT (NAME=VALUE,...: FORWARD_PAIR_ROWS, SEGMENT_ROWS,
-TILE_BYTES, or LAUNCH=WARPSxSTAGES for the parts kernel) times the parts kernel again under those
-constants. Session 28's runs: results/diag_block_outer_*_2026-12-02s28*.log."""
+from the per-token forward's. A VARIANT (module_constants.parse_variant's NAME=VALUE,...: e.g.
+SEGMENT_ROWS=1024,LAUNCH.selection_forward_by_block=4x3) times the lists and the parts kernel again
+under those constants. Session 28's runs: results/diag_block_outer_*_2026-12-02s28*.log."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from bench_gpu import Settings, random_selections  # noqa: E402
+from module_constants import module_constants, parse_variant  # noqa: E402
 from timing import measure  # noqa: E402
 
 import nsa_dsl  # noqa: E402
@@ -33,7 +34,6 @@ from nsa_dsl import codegen  # noqa: E402
 from nsa_dsl.runtime import layout, triton_glue  # noqa: E402
 
 HQ, HKV, D, S, BLOCK = 64, 4, 128, 16, 64
-VARIED = ("FORWARD_PAIR_ROWS", "SEGMENT_ROWS", "TILE_BYTES", "LAUNCH")
 
 
 def stage(name, f, *args):
@@ -50,9 +50,9 @@ def main() -> None:
     dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float16  # the interpreter has no bfloat16
     print(f"diag_block_outer: T={length} HQ={HQ} HKV={HKV} D={D} {jnp.dtype(dtype).name}, {S} blocks of {BLOCK}, "
           f"device {jax.devices()[0].device_kind}, memory {triton_glue._device_memory_bytes()} bytes", flush=True)
-    loaded = {}
+    loads = []  # the arguments of the generated module's loads
     load = codegen.load_module
-    codegen.load_module = lambda platform, plan, config=None: loaded.setdefault(platform, load(platform, plan, config))
+    codegen.load_module = lambda *arguments: loads.append(arguments) or load(*arguments)
     keys = jax.random.split(jax.random.key(0), 3)
     q = jax.random.normal(keys[0], (length, HQ, D), dtype)
     k = jax.random.normal(keys[1], (length, HKV, D), dtype)
@@ -62,7 +62,8 @@ def main() -> None:
     whole = jax.jit(lambda q, k, v, i: nsa_dsl.native_sparse_attention(
         q[None], k[None], v[None], None, None, i, S, None, platform="triton", cfg=cfg))
     stage("native_sparse_attention forward", whole, q, k, v, indices)
-    module = loaded["triton"]
+    codegen.load_module = load
+    module = load(*loads[0])
     spec = module.Selection(BLOCK, HKV, HQ // HKV, D, S)
     offsets = layout.sequence_offsets(None, 1, length)
     queries = layout.query_rows(0, 1, length, length, offsets)
@@ -92,20 +93,12 @@ def main() -> None:
           f"{float(jnp.max(jnp.where(finite, jnp.abs(merged[1] - token[1]), 0.0))):.2e}", flush=True)
     del merged, token
 
-    own = {name: getattr(module, name) for name in VARIED}
     for variant in sys.argv[2:]:
-        for item in variant.split(","):
-            name, value = item.split("=")
-            if name == "LAUNCH":
-                module.LAUNCH = {**own["LAUNCH"], "selection_forward_by_block": tuple(map(int, value.split("x")))}
-            else:
-                setattr(module, name, int(value))
-        jax.clear_caches()
-        varied = stage(f"parts kernel, {variant}", jax.jit(parts), q, k, v, jax.jit(lists)(selected))
+        with module_constants(parse_variant(variant)):
+            codegen.load_module(*loads[0])  # the same module, its constants set
+            varied = stage(f"parts kernel, {variant}", jax.jit(parts), q, k, v, jax.jit(lists)(selected))
         print(f"   max|d| against the default parts: {float(difference(varied[0], out_parts)):.2e}", flush=True)
         del varied
-        for name, value in own.items():
-            setattr(module, name, value)
 
 
 if __name__ == "__main__":

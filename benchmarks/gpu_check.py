@@ -49,10 +49,12 @@ from typing import NamedTuple
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 sys.path.insert(0, os.path.join(REPO_ROOT, "tests"))  # tests/nsa_reference.py imports `reference`
+sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from module_constants import module_constants  # noqa: E402
 
 import nsa_dsl  # noqa: E402
 from tests import reference  # noqa: E402
@@ -93,35 +95,6 @@ CORRECTNESS_CASES = [
 KEY_BLOCK_OUTER = {"outer gqa16 d128", "outer varlen gqa4"}
 
 
-@contextlib.contextmanager
-def module_constants(**constants):
-    """Generated modules loaded meanwhile have `constants` set (restored after)."""
-    from nsa_dsl import codegen
-    from nsa_dsl.runtime import dispatch
-
-    load = codegen.load_module
-    replaced = {}
-
-    def loading(platform, plan, config=None):
-        module = load(platform, plan, config)
-        for name, value in constants.items():
-            replaced.setdefault((id(module), name), (module, getattr(module, name)))
-            setattr(module, name, value)
-        return module
-
-    codegen.load_module = loading
-    dispatch.kernel.cache_clear()
-    jax.clear_caches()
-    try:
-        yield
-    finally:
-        codegen.load_module = load
-        for (_, name), (module, value) in replaced.items():
-            setattr(module, name, value)
-        dispatch.kernel.cache_clear()  # nothing traced with the constants may be reused
-        jax.clear_caches()
-
-
 def random_problem(rng, B, T, HQ, HKV, D, S, block, cu):
     q = rng.standard_normal((B, T, HQ, D), dtype=np.float32)
     k = rng.standard_normal((B, T, HKV, D), dtype=np.float32)
@@ -136,7 +109,7 @@ def random_problem(rng, B, T, HQ, HKV, D, S, block, cu):
 
 def check_case(name, dtype, B, T, HQ, HKV, D, S, block, cu, platform="triton") -> dict:
     outer = name in KEY_BLOCK_OUTER and platform == "triton"
-    with module_constants(BLOCK_OUTER_PAIRS=0, SEGMENT_ROWS=64) if outer else contextlib.nullcontext():
+    with module_constants({"BLOCK_OUTER_PAIRS": 0, "SEGMENT_ROWS": 64}) if outer else contextlib.nullcontext():
         return check_selection(name, dtype, B, T, HQ, HKV, D, S, block, cu, platform)
 
 
