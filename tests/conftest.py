@@ -113,6 +113,30 @@ def recomputed_scores(monkeypatch):
     jax.clear_caches()
 
 
+@pytest.fixture
+def block_outer_forward(monkeypatch):
+    """Every per-token selection's forward runs key block by key block (BLOCK_OUTER_PAIRS = 0), its
+    pair lists in segments of 16 rows (several a list)."""
+    from nsa_dsl import codegen
+    from nsa_dsl.runtime import dispatch
+
+    load = codegen.load_module
+
+    def loading(platform, plan, config=None):
+        module = load(platform, plan, config)
+        if platform == "triton":
+            monkeypatch.setattr(module, "BLOCK_OUTER_PAIRS", 0)
+            monkeypatch.setattr(module, "SEGMENT_ROWS", 16)
+        return module
+
+    monkeypatch.setattr(codegen, "load_module", loading)
+    dispatch.kernel.cache_clear()
+    jax.clear_caches()
+    yield
+    dispatch.kernel.cache_clear()  # no later test may reuse a kernel traced with these constants
+    jax.clear_caches()
+
+
 def triton_launches(monkeypatch, run) -> list[tuple[str, tuple]]:
     """(kernel name, grid) of the Triton launches `run()` makes, in order: while jax traces them,
     the launches a jitted program will make."""

@@ -288,6 +288,13 @@ def test_explicit_selection_two_batch_rows_traced_scale(rng):
     check_explicit_selection(rng, shards(0, 16, 29, 30, 64))
 
 
+def test_explicit_selection_key_block_by_key_block_on_shards(rng, monkeypatch, block_outer_forward):
+    """The forward key block by key block (selection_forward_by_block) on shards of the queries:
+    a pair's query row is not its key row there, and causality goes by the key row."""
+    launches = triton_launches(monkeypatch, lambda: check_explicit_selection(rng, shards(0, 23, 24, 64)))
+    assert "selection_forward_by_block" in {name for name, _ in launches}, launches
+
+
 def check_explicit_selection(rng, rows: list[slice], platform=PLATFORM):
     """test_explicit_selection_two_batch_rows_traced_scale on `platform`, shards `rows`."""
     batch, seq_len, heads_q, heads_kv, head_dim, width = 2, 64, 8, 2, 24, 4

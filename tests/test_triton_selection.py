@@ -18,8 +18,7 @@ import pytest
 from conftest import check_selection_against_reference, gate, qkv, random_indices, triton_launches
 
 import nsa_dsl
-from nsa_dsl import codegen
-from nsa_dsl.runtime import dispatch, triton_glue
+from nsa_dsl.runtime import triton_glue
 
 # float16 kernels round p and ds to float16 before their matrix products.
 TOLERANCE = {np.float32: 2e-5, np.float16: 5e-3}
@@ -76,27 +75,6 @@ def test_few_programs_split_their_walks_over_the_selected_blocks(rng, monkeypatc
         rng, small_steps, q, k, v, g_slc, indices, counts, 8, cu_seqlens, (tolerance, tolerance)))
     assert {grid[2] for name, grid in launches if name == "selection_forward"} == {7}, launches
     assert "gated_merge" in {name for name, _ in launches}, "not differentiated: the shares merge as the gate applies"
-
-
-@pytest.fixture
-def block_outer_forward(monkeypatch):
-    """Every per-token selection's forward runs key block by key block (BLOCK_OUTER_PAIRS = 0), its
-    pair lists in segments of 16 rows (several a list)."""
-    load = codegen.load_module
-
-    def loading(platform, plan, config=None):
-        module = load(platform, plan, config)
-        if platform == "triton":
-            monkeypatch.setattr(module, "BLOCK_OUTER_PAIRS", 0)
-            monkeypatch.setattr(module, "SEGMENT_ROWS", 16)
-        return module
-
-    monkeypatch.setattr(codegen, "load_module", loading)
-    dispatch.kernel.cache_clear()
-    jax.clear_caches()
-    yield
-    dispatch.kernel.cache_clear()  # no later test may reuse a kernel traced with these constants
-    jax.clear_caches()
 
 
 @pytest.mark.parametrize(
