@@ -12,8 +12,8 @@ forward's and dq's programs take tokens of a group that share each loaded block;
 groups that selected their block) against the per-token kernels (Q = 1), forward and forward +
 backward, on the same selections (the tokens of each group of 64 share its 16 random blocks).
 order: per-token selections (bench_gpu.py's random ones) through native_sparse_attention, forward
-and forward + backward, under each of --variants: constants of the generated module (integers,
-or LAUNCH.<kernel>=WARPSxSTAGES), e.g. BLOCK_OUTER_PAIRS=0 (the forward key block by key block)
+(with the temporary memory XLA assigns it) and forward + backward, under each of --variants:
+constants of the generated module (integers, or LAUNCH.<kernel>=WARPSxSTAGES), e.g. BLOCK_OUTER_PAIRS=0 (the forward key block by key block)
 against BLOCK_OUTER_PAIRS=1099511627776 (token by token); differences against the first variant.
 B=1, HQ=64, HKV=4, D=128, bfloat16, 16 blocks of 64 (the issue 4 setting); median ms
 (timing.py) and the largest output difference of each pair. Results: benchmarks/results/ab_*.
@@ -139,9 +139,11 @@ def order(length: int, variants: list[str]) -> None:
             ms = [measure(call, jax.block_until_ready, time_cap_s=2.0)["ms"]
                   for call in (lambda: forward(q, k, v, indices), lambda: both(q, k, v, indices, d_out))]
             results = [forward(q, k, v, indices), *both(q, k, v, indices, d_out)]
+            temp = forward.lower(q, k, v, indices).compile().memory_analysis().temp_size_in_bytes
         first = first or results
         diff = [float(difference(a, b)) for a, b in zip(results, first)]
-        print(f"{variant or 'defaults'}: forward {ms[0]:.3f} ms  forward+backward {ms[1]:.3f} ms  max|d| vs "
+        print(f"{variant or 'defaults'}: forward {ms[0]:.3f} ms ({temp / 2**30:.1f} GiB of temporaries)  "
+              f"forward+backward {ms[1]:.3f} ms  max|d| vs "
               f"{variants[0] or 'defaults'}: out {diff[0]:.2e} dq {diff[1]:.2e} dk {diff[2]:.2e} dv {diff[3]:.2e}",
               flush=True)
 

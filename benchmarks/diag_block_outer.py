@@ -71,13 +71,13 @@ def main() -> None:
     blocks = layout.sequence_blocks(offsets, length, BLOCK)
     scale = jnp.full((1,), D**-0.5, jnp.float32)
     selected = indices[0]  # distinct, causal and -1 padded: already clean
-    print("key block by key block:", module._block_outer(spec, tiles, q), flush=True)
+    print("key block by key block:", module._block_outer_heads(spec, tiles, q), flush=True)
 
     def lists(selected):
         return layout.selection_by_key_block(selected, tiles.seq, blocks, slots=True, segment_rows=module.SEGMENT_ROWS)
 
     def parts(q, k, v, pairs):
-        return module._block_outer_parts(spec, tiles, q, k, v, scale, blocks, pairs)
+        return module._block_outer_parts(spec, tiles, q, k, v, scale, blocks, pairs, 0)
 
     difference = jax.jit(lambda a, b: jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
     pairs = stage("pair lists", jax.jit(lists), selected)

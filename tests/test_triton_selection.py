@@ -78,22 +78,25 @@ def test_few_programs_split_their_walks_over_the_selected_blocks(rng, monkeypatc
 
 
 @pytest.mark.parametrize(
-    "dtype, batch, seq_len, heads_q, heads_kv, head_dim, width, block, cu_seqlens, memory",
+    "dtype, batch, seq_len, heads_q, heads_kv, head_dim, width, block, cu_seqlens, memory, slices",
     [
-        (np.float32, 2, 63, 2, 1, 60, 4, 16, None, None),  # group 2, T not a multiple of the block
-        (np.float16, 1, 70, 16, 2, 32, 3, 8, None, None),  # group 8 with 2 KV heads
+        (np.float32, 2, 63, 2, 1, 60, 4, 16, None, None, (1, 1)),  # group 2, T not a multiple of the block
+        (np.float16, 1, 70, 16, 2, 32, 3, 8, None, None, (1, 1)),  # group 8 with 2 KV heads
         # the backward's score gradients in two slices of one KV head (300 KB: parts fit, half the scores)
-        (np.float16, 1, 70, 16, 2, 32, 3, 8, None, 300_000),
-        (np.float32, 1, 45, 17, 1, 32, 5, 8, np.array([0, 9, 30, 40], np.int32), None),  # group 17, packed, rows of none
+        (np.float16, 1, 70, 16, 2, 32, 3, 8, None, 300_000, (1, 2)),
+        # the forward's parts in two slices (150 KB: one KV head's, 108 KB); dq recomputes the scores
+        (np.float16, 1, 70, 16, 2, 32, 3, 8, None, 150_000, (2, 1)),
+        (np.float32, 1, 45, 17, 1, 32, 5, 8, np.array([0, 9, 30, 40], np.int32), None, (1, 1)),  # group 17, packed, rows of none
     ],
 )
 def test_key_block_outer_forward(rng, monkeypatch, block_outer_forward, dtype, batch, seq_len, heads_q, heads_kv,
-                                 head_dim, width, block, cu_seqlens, memory):
+                                 head_dim, width, block, cu_seqlens, memory, slices):
     """The forward key block by key block (selection_forward_by_block: each entry's part of a
     token's softmax, merged by merge_splits, or by gated_merge as the gate applies), with per-token
     counts of 0 to S (entries naming no block), out-of-range entries and repeats: the reference's
     output and gradients, the backward walking the forward's pair lists (by slices of KV heads
-    where `memory` holds the score gradients of one)."""
+    where `memory` holds the score gradients of one), the forward by slices of KV heads where it
+    holds the parts of fewer than all: `slices`, (the forward's, dk/dv's)."""
     if memory is not None:
         monkeypatch.setattr(triton_glue, "_device_memory_bytes", lambda: memory)
         monkeypatch.setenv("NSA_DSL_PAIR_PARTS_SHARE", "1")
@@ -103,10 +106,11 @@ def test_key_block_outer_forward(rng, monkeypatch, block_outer_forward, dtype, b
     g_slc = gate(rng, batch, seq_len, heads_q).astype(dtype)
     launches = [name for name, _ in triton_launches(monkeypatch, lambda: check_forward_and_gradients(
         rng, q, k, v, g_slc, indices, counts, block, cu_seqlens))]
-    assert launches.count("selection_forward_by_block") == 2, launches  # differentiated and not
+    forward_slices, backward_slices = slices
+    assert launches.count("selection_forward_by_block") == 2 * forward_slices, launches  # differentiated and not
     assert "selection_forward" not in launches and "gated_selection_forward" not in launches, launches
     assert "gated_merge" in launches, "not differentiated: the parts merge as the gate applies"
-    assert launches.count("selection_backward_dkdv") == (heads_kv if memory else 1), launches
+    assert launches.count("selection_backward_dkdv") == backward_slices, launches
 
 
 @pytest.mark.parametrize(
