@@ -13,8 +13,9 @@ groups that selected their block) against the per-token kernels (Q = 1), forward
 backward, on the same selections (the tokens of each group of 64 share its 16 random blocks).
 order: per-token selections (bench_gpu.py's random ones) through native_sparse_attention, forward
 (with the temporary memory XLA assigns it) and forward + backward, under each of --variants:
-constants of the generated module (integers, or LAUNCH.<kernel>=WARPSxSTAGES), e.g. BLOCK_OUTER_PAIRS=0 (the forward key block by key block)
-against BLOCK_OUTER_PAIRS=1099511627776 (token by token); differences against the first variant.
+constants of the generated module (integers, or LAUNCH.<kernel>=WARPSxSTAGES), e.g.
+BLOCK_OUTER_PAIRS=0 (the forward key block by key block) against BLOCK_OUTER_PAIRS=1099511627776
+(token by token); differences against the first variant.
 B=1, HQ=64, HKV=4, D=128, bfloat16, 16 blocks of 64 (the issue 4 setting); median ms
 (timing.py) and the largest output difference of each pair. Results: benchmarks/results/ab_*.
 """

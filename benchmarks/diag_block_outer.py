@@ -9,7 +9,7 @@ merge of the parts (merge_splits), the per-token forward, and native_sparse_atte
 forward with the module's constants; prints the largest differences of the merged output and lse
 from the per-token forward's. A VARIANT (module_constants.parse_variant's NAME=VALUE,...: e.g.
 SEGMENT_ROWS=1024,LAUNCH.selection_forward_by_block=4x3) times the lists and the parts kernel again
-under those constants. Session 28's runs: results/diag_block_outer_*_2026-12-02s28*.log."""
+under those constants. Runs: results/diag_block_outer_*_2026-12-02s2{8,9}*.log."""
 
 from __future__ import annotations
 
@@ -71,7 +71,8 @@ def main() -> None:
     blocks = layout.sequence_blocks(offsets, length, BLOCK)
     scale = jnp.full((1,), D**-0.5, jnp.float32)
     selected = indices[0]  # distinct, causal and -1 padded: already clean
-    print("key block by key block:", module._block_outer_heads(spec, tiles, q), flush=True)
+    print("KV heads a launch key block by key block (None: token by token):", module._block_outer_heads(spec, tiles, q),
+          flush=True)
 
     def lists(selected):
         return layout.selection_by_key_block(selected, tiles.seq, blocks, slots=True, segment_rows=module.SEGMENT_ROWS)
