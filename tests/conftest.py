@@ -174,16 +174,18 @@ def assert_close(actual, expected, tolerance: float, what: str = "") -> None:
     assert error <= tolerance, f"{what}: relative error {error:.3e} > {tolerance:.1e}"
 
 
-def check_selection_against_reference(rng, attention, q, k, v, g_slc, indices, counts, block, cu_seqlens, tolerances):
+def check_selection_against_reference(rng, attention, q, k, v, g_slc, indices, counts, block, cu_seqlens, tolerances,
+                                      scale=None):
     """Forward and the gradients of q, k, v and the gate of an explicit-selection `attention`
     (called as attention(q, k, v, g_slc, indices, counts, block, cu_seqlens)) against the
-    float64 reference; tolerances = (forward, gradients); outputs and gradients keep q's dtype."""
+    float64 reference; tolerances = (forward, gradients); outputs and gradients keep q's dtype.
+    scale: the softmax scale `attention` applies (None: its default, 1 / sqrt(head_dim))."""
     import jax.numpy as jnp
 
     import reference
 
     forward_tolerance, gradient_tolerance = tolerances
-    scale = 1.0 / np.sqrt(q.shape[-1])
+    scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
     mask = reference.selection_mask(indices, counts, block, cu_seqlens)
     d_out = normal(rng, *q.shape).astype(q.dtype)
     out, pullback = jax.vjp(lambda *a: attention(*a, indices, counts, block, cu_seqlens), q, k, v, g_slc)

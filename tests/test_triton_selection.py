@@ -31,9 +31,10 @@ def selection(q, k, v, g_slc, indices, counts, block, cu_seqlens=None, scale=Non
     )
 
 
-def check_forward_and_gradients(rng, q, k, v, g_slc, indices, counts, block, cu_seqlens=None):
+def check_forward_and_gradients(rng, q, k, v, g_slc, indices, counts, block, cu_seqlens=None, scale=None):
     tolerance = TOLERANCE[q.dtype.type]
-    check_selection_against_reference(rng, selection, q, k, v, g_slc, indices, counts, block, cu_seqlens, (tolerance, tolerance))
+    check_selection_against_reference(rng, functools.partial(selection, scale=scale), q, k, v, g_slc, indices, counts,
+                                      block, cu_seqlens, (tolerance, tolerance), scale)
 
 
 @pytest.mark.parametrize(
@@ -82,6 +83,8 @@ def test_few_programs_split_their_walks_over_the_selected_blocks(rng, monkeypatc
     [
         (np.float32, 2, 63, 2, 1, 60, 4, 16, None, None, (1, 1)),  # group 2, T not a multiple of the block
         (np.float16, 1, 70, 16, 2, 32, 3, 8, None, None, (1, 1)),  # group 8 with 2 KV heads
+        # group 8, whole blocks of 16: segments after a block's own tokens skip the visibility test
+        (np.float16, 1, 90, 8, 1, 64, 4, 16, None, None, (1, 1)),
         # the backward's score gradients in two slices of one KV head (300 KB: parts fit, half the scores)
         (np.float16, 1, 70, 16, 2, 32, 3, 8, None, 300_000, (1, 2)),
         # the forward's parts in two slices (150 KB: one KV head's, 108 KB); dq recomputes the scores
@@ -111,6 +114,19 @@ def test_key_block_outer_forward(rng, monkeypatch, block_outer_forward, dtype, b
     assert "selection_forward" not in launches and "gated_selection_forward" not in launches, launches
     assert "gated_merge" in launches, "not differentiated: the parts merge as the gate applies"
     assert launches.count("selection_backward_dkdv") == backward_slices, launches
+
+
+@pytest.mark.parametrize("scale", [-0.4, 0.0, 1.7])
+def test_key_block_outer_softmax_scales(rng, monkeypatch, block_outer_forward, scale):
+    """The forward key block by key block folds the scale into its exponent: a negative scale
+    (keys negated), zero (every key seen weighs alike) and a large one, against the reference."""
+    q, k, v = qkv(rng, 1, 75, 4, 1, 32, dtype=np.float32)
+    indices = random_indices(rng, 1, 75, 1, 4, 16, None)
+    counts = rng.integers(0, 5, (1, 75, 1)).astype(np.int32)
+    g_slc = gate(rng, 1, 75, 4).astype(np.float32)
+    launches = [name for name, _ in triton_launches(monkeypatch, lambda: check_forward_and_gradients(
+        rng, q, k, v, g_slc, indices, counts, 16, scale=scale))]
+    assert "selection_forward_by_block" in launches, launches
 
 
 @pytest.mark.parametrize(
