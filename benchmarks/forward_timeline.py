@@ -59,7 +59,7 @@ def summarise(path: str) -> None:
     with open(path) as f:
         lines = [line for line in f if line.startswith('"')]  # ncu's csv rows, not the program's output
     rows = [r for r in csv.DictReader(lines) if r["Metric Name"] == "gpu__time_duration.sum"]
-    scale = {"nsecond": 1e-6, "usecond": 1e-3, "msecond": 1.0}
+    scale = {"ns": 1e-6, "nsecond": 1e-6, "us": 1e-3, "usecond": 1e-3, "ms": 1.0, "msecond": 1.0}
     total = 0.0
     for row in rows:
         ms = float(row["Metric Value"].replace(",", "")) * scale[row["Metric Unit"]]

@@ -116,6 +116,21 @@ def test_key_block_outer_forward(rng, monkeypatch, block_outer_forward, dtype, b
     assert launches.count("selection_backward_dkdv") == backward_slices, launches
 
 
+def test_key_block_outer_rows_inside_their_own_block(rng, monkeypatch, block_outer_forward):
+    """Every token takes its own block first (as topk's force=local(1) does), so a block's list
+    opens with a run of its own tokens, each seeing only part of it: the walk that tests visibility
+    must take all of them, up to the row before the block's last key."""
+    seq_len, block = 75, 16
+    q, k, v = qkv(rng, 1, seq_len, 8, 2, 32, dtype=np.float32)
+    indices = random_indices(rng, 1, seq_len, 2, 3, block, None)
+    indices[..., 0] = (np.arange(seq_len) // block)[None, :, None]
+    counts = np.full((1, seq_len, 2), 3, np.int32)
+    g_slc = gate(rng, 1, seq_len, 8)
+    launches = [name for name, _ in triton_launches(monkeypatch, lambda: check_forward_and_gradients(
+        rng, q, k, v, g_slc, indices, counts, block))]
+    assert "selection_forward_by_block" in launches, launches
+
+
 @pytest.mark.parametrize("scale", [-0.4, 0.0, 1.7])
 def test_key_block_outer_softmax_scales(rng, monkeypatch, block_outer_forward, scale):
     """The forward key block by key block folds the scale into its exponent: a negative scale
