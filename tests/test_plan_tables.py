@@ -138,16 +138,18 @@ def test_table_shares_one_row_layout_for_packed_sequences():
 def test_million_token_plan_builds_in_under_a_second():
     static = lower_keys(m.Union((m.Window(512), m.Global(1), m.Stride(8))))
     build_block_table(static, 64, True, 4096)  # warm up numpy
+    # The process's CPU time, not the wall clock: on CI's two cores the other test process (and
+    # anything else running) would otherwise count against the build.
     times = []
     for _ in range(3):
-        start = time.perf_counter()
+        start = time.process_time()
         table = build_block_table(static, 64, True, 1 << 20)
-        times.append(time.perf_counter() - start)
+        times.append(time.process_time() - start)
     assert table.num_query_blocks == 16384
     # Last row: 2048 stride blocks (block 0 = the global one among them) and the 9 window blocks
     # 16375..16383, of which 16376 is on the stride.
     assert table.counts[-1] == 2048 + 9 - 1
-    assert min(times) < 1.0, times  # the best of three: other jobs on the machine only add time
+    assert min(times) < 1.0, times  # the best of three
 
 
 def test_a_plan_that_selects_blocks_must_be_causal():
