@@ -9,7 +9,7 @@ merge of the parts (merge_splits), the per-token forward, and native_sparse_atte
 forward with the module's constants; prints the largest differences of the merged output and lse
 from the per-token forward's. A VARIANT (module_constants.parse_variant's NAME=VALUE,...: e.g.
 SEGMENT_ROWS=1024,LAUNCH.selection_forward_by_block=4x3) times the lists and the parts kernel again
-under those constants. Runs: results/diag_block_outer_*_2026-12-02s2{8,9}*.log."""
+under those constants. Runs: results/diag_block_outer_*_2026-12-02s{28,29,30}*.log."""
 
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def main() -> None:
         return layout.selection_by_key_block(selected, tiles.seq, blocks, slots=True, segment_rows=module.SEGMENT_ROWS)
 
     def parts(q, k, v, pairs):
-        return module._block_outer_parts(spec, tiles, q, k, v, scale, blocks, pairs, 0)
+        return module._block_outer_parts(spec, tiles, q, k, v, scale, blocks, pairs, 0, HKV)
 
     difference = jax.jit(lambda a, b: jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
     pairs = stage("pair lists", jax.jit(lists), selected)

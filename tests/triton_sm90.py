@@ -42,8 +42,9 @@ TRITON_TYPES = {
 recorded: dict[tuple, dict] = {}
 
 
-def record(kernel, grid, inputs, outputs, *, num_warps, num_stages, zeroed=(), **constants):
-    """triton_glue.launch while recording: note the kernel's specialisation, return zeros."""
+def record(kernel, grid, inputs, outputs, *, num_warps, num_stages, zeroed=(), aliases=None, **constants):
+    """triton_glue.launch while recording: note the kernel's specialisation (which aliases do not
+    change), return zeros."""
     signature, constexprs = {}, dict(constants)
     names = kernel.arg_names
     for name, arg in zip(names, [*inputs, *outputs]):

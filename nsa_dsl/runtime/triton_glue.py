@@ -167,14 +167,17 @@ def launch(
     num_warps: int,
     num_stages: int,
     zeroed: Sequence[int] = (),
+    aliases: dict[int, int] | None = None,
     **constants,
 ) -> list[jax.Array]:
     """Run `kernel` on `grid`. inputs: arrays and Python ints/floats, in the kernel's parameter
     order; outputs: shapes and dtypes of the output buffers that follow them (those listed in
-    `zeroed` start as zeros, the others with undefined contents: NaN in the interpreter, so that
-    tests catch an element a kernel fails to write); constants: the kernel's constexpr
-    parameters. Returns the output arrays."""
+    `zeroed` start as zeros, those `aliases` names, {input position: output index}, are that
+    input's buffer, updated in place, and the others have undefined contents: NaN in the
+    interpreter, so that tests catch an element a kernel fails to write); constants: the
+    kernel's constexpr parameters. Returns the output arrays."""
     outputs = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outputs]
+    aliases = dict(aliases or {})
     if on_gpu():
         import jax_triton
 
@@ -189,11 +192,14 @@ def launch(
             num_warps=num_warps,
             num_stages=num_stages,
             zeroed_outputs=tuple(zeroed),
+            # jax-triton numbers the array inputs alone.
+            input_output_aliases={_array_position(inputs, i): o for i, o in aliases.items()},
             **constants,
         )
         return varying_like(result, inputs)
     arrays = [x for x in inputs if not _is_scalar(x)]
-    callback = functools.partial(_interpret, kernel, grid, tuple(inputs), tuple(outputs), tuple(zeroed), constants)
+    callback = functools.partial(_interpret, kernel, grid, tuple(inputs), tuple(outputs), tuple(zeroed),
+                                 tuple(aliases.items()), constants)
     return varying_like(jax.pure_callback(callback, outputs, *arrays, vmap_method="sequential"), arrays)
 
 
@@ -201,15 +207,26 @@ def _is_scalar(x) -> bool:
     return isinstance(x, (bool, int, float))
 
 
+def _array_position(inputs: Sequence, position: int) -> int:
+    """The index of inputs[position], an array, among the inputs that are arrays."""
+    if _is_scalar(inputs[position]):
+        raise ValueError(f"input {position} is a number: only arrays alias outputs")
+    return sum(not _is_scalar(x) for x in inputs[:position])
+
+
 # The interpreter keeps the running program's grid position in module state: one launch at a time.
 _interpreting = threading.Lock()
 
 
-def _interpret(kernel, grid, inputs, outputs, zeroed, constants, *arrays):
+def _interpret(kernel, grid, inputs, outputs, zeroed, aliases, constants, *arrays):
     """The host side of `launch` without a GPU: run the kernel in the interpreter on numpy buffers."""
     host = iter(arrays)
     args = [x if _is_scalar(x) else HostBuffer(np.ascontiguousarray(next(host))) for x in inputs]
     results = [np.zeros(o.shape, o.dtype) if i in zeroed else _unwritten(o) for i, o in enumerate(outputs)]
+    for position, output in aliases:
+        # A copy (the callback's input may be JAX's own buffer), passed for both: one buffer, as on a GPU.
+        results[output] = np.array(args[position].array)
+        args[position] = HostBuffer(results[output])
     with _interpreting:
         kernel[grid](*args, *(HostBuffer(r) for r in results), **constants)
     return results
