@@ -57,6 +57,7 @@ import numpy as np  # noqa: E402
 from module_constants import module_constants  # noqa: E402
 
 import nsa_dsl  # noqa: E402
+from nsa_dsl.runtime import triton_glue  # noqa: E402
 from tests import reference  # noqa: E402
 
 # max |error| / max |reference| allowed per dtype (float32 runs in full-precision tl.dot).
@@ -89,10 +90,15 @@ CORRECTNESS_CASES = [
     ("varlen gqa4 d64", 1, 700, 8, 2, 64, 6, 32, [0, 15, 205, 550, 690]),
     ("outer gqa16 d128", 1, 300, 16, 1, 128, 4, 64, None),
     ("outer varlen gqa4", 1, 700, 8, 2, 64, 6, 32, [0, 15, 205, 550, 690]),
+    ("outer sliced gqa4", 1, 700, 16, 4, 64, 6, 32, [0, 15, 205, 550, 690]),
 ]
 # Selection cases whose forward runs key block by key block (selection_forward_by_block, its lists in
 # segments of 64 rows), which problems this small would not choose (BLOCK_OUTER_PAIRS).
-KEY_BLOCK_OUTER = {"outer gqa16 d128", "outer varlen gqa4"}
+KEY_BLOCK_OUTER = {"outer gqa16 d128", "outer varlen gqa4", "outer sliced gqa4"}
+# Of those, the cases whose parts are made and merged in slices of this many KV heads
+# (NSA_DSL_PAIR_PARTS_SHARE set to hold that many heads' parts, as at 128k on an H200): each slice
+# reads q and writes the output where its heads lie.
+SLICE_HEADS = {"outer sliced gqa4": 2}
 
 
 def random_problem(rng, B, T, HQ, HKV, D, S, block, cu):
@@ -109,8 +115,33 @@ def random_problem(rng, B, T, HQ, HKV, D, S, block, cu):
 
 def check_case(name, dtype, B, T, HQ, HKV, D, S, block, cu, platform="triton") -> dict:
     outer = name in KEY_BLOCK_OUTER and platform == "triton"
-    with module_constants({"BLOCK_OUTER_PAIRS": 0, "SEGMENT_ROWS": 64}) if outer else contextlib.nullcontext():
+    share = None
+    if outer and name in SLICE_HEADS:
+        memory = triton_glue._device_memory_bytes()
+        if memory is None:
+            raise RuntimeError("slices of KV heads need a device that reports its memory (a GPU)")
+        head_parts = B * T * S * (HQ // HKV) * D * jnp.dtype(dtype).itemsize  # one KV head's parts, in bytes
+        share = (SLICE_HEADS[name] + 0.5) * head_parts / memory
+    with contextlib.ExitStack() as stack:
+        if outer:
+            stack.enter_context(module_constants({"BLOCK_OUTER_PAIRS": 0, "SEGMENT_ROWS": 64}))
+        if share is not None:
+            stack.enter_context(environment("NSA_DSL_PAIR_PARTS_SHARE", repr(share)))
         return check_selection(name, dtype, B, T, HQ, HKV, D, S, block, cu, platform)
+
+
+@contextlib.contextmanager
+def environment(variable, value):
+    """The environment variable set to `value` inside the block, as it was after it."""
+    before = os.environ.get(variable)
+    os.environ[variable] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[variable]
+        else:
+            os.environ[variable] = before
 
 
 def check_selection(name, dtype, B, T, HQ, HKV, D, S, block, cu, platform) -> dict:
@@ -399,7 +430,7 @@ def run_tuning(T, HQ=64, HKV=4, D=128, S=16, block=64, dtype="bfloat16") -> dict
     """Where the time of a selection call goes at one length, both orders of its backward, and the
     launch settings of the backward kernels."""
     from nsa_dsl import api, codegen
-    from nsa_dsl.runtime import layout, triton_glue
+    from nsa_dsl.runtime import layout
 
     log(f"\n== tuning at T={T}: B=1 HQ={HQ} HKV={HKV} D={D} S={S} block={block} {dtype} ==")
     module = codegen.load_module("triton", api.selection_plan(block), nsa_dsl.NativeSparseAttentionConfig(block_size=block))
