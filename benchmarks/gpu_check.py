@@ -45,6 +45,7 @@ import traceback
 import zlib
 from importlib import metadata
 from typing import NamedTuple
+from unittest import mock
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
@@ -126,22 +127,8 @@ def check_case(name, dtype, B, T, HQ, HKV, D, S, block, cu, platform="triton") -
         if outer:
             stack.enter_context(module_constants({"BLOCK_OUTER_PAIRS": 0, "SEGMENT_ROWS": 64}))
         if share is not None:
-            stack.enter_context(environment("NSA_DSL_PAIR_PARTS_SHARE", repr(share)))
+            stack.enter_context(mock.patch.dict(os.environ, {"NSA_DSL_PAIR_PARTS_SHARE": repr(share)}))
         return check_selection(name, dtype, B, T, HQ, HKV, D, S, block, cu, platform)
-
-
-@contextlib.contextmanager
-def environment(variable, value):
-    """The environment variable set to `value` inside the block, as it was after it."""
-    before = os.environ.get(variable)
-    os.environ[variable] = value
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[variable]
-        else:
-            os.environ[variable] = before
 
 
 def check_selection(name, dtype, B, T, HQ, HKV, D, S, block, cu, platform) -> dict:

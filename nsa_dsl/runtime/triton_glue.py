@@ -222,10 +222,16 @@ def _interpret(kernel, grid, inputs, outputs, zeroed, aliases, constants, *array
     """The host side of `launch` without a GPU: run the kernel in the interpreter on numpy buffers."""
     host = iter(arrays)
     args = [x if _is_scalar(x) else HostBuffer(np.ascontiguousarray(next(host))) for x in inputs]
-    results = [np.zeros(o.shape, o.dtype) if i in zeroed else _unwritten(o) for i, o in enumerate(outputs)]
-    for position, output in aliases:
-        # A copy (the callback's input may be JAX's own buffer), passed for both: one buffer, as on a GPU.
-        results[output] = np.array(args[position].array)
+    # An aliased output starts as a copy of its input (the callback's input may be JAX's own buffer),
+    # passed for both: one buffer, as on a GPU.
+    aliased = {output: position for position, output in aliases}
+    results = [
+        np.array(args[aliased[i]].array) if i in aliased
+        else np.zeros(o.shape, o.dtype) if i in zeroed
+        else _unwritten(o)
+        for i, o in enumerate(outputs)
+    ]
+    for output, position in aliased.items():
         args[position] = HostBuffer(results[output])
     with _interpreting:
         kernel[grid](*args, *(HostBuffer(r) for r in results), **constants)
