@@ -4,9 +4,10 @@ row of a table is measured the same way.
 A measurement is: the first call (compilation, autotuning and the run: reported apart), one
 warm-up call, then batches of back-to-back calls each ended by a device synchronisation; the
 per-call time of a batch is its wall-clock time over its number of calls, and the result is the
-median over batches. Batches hold enough calls to last about `min_batch_ms`, so host dispatch
-overlaps device work as it does in a training step, and short kernels are not dominated by the
-launch of a single call. No L2 flush between calls (neither framework's peers get one here).
+median over batches. Batches hold enough calls to last about `min_batch_ms`, and at least
+MIN_CALLS_PER_BATCH, so host dispatch overlaps device work as it does in a training step (a call
+is queued while the one before it runs), and short kernels are not dominated by the launch of a
+single call. No L2 flush between calls (neither framework's peers get one here).
 """
 
 from __future__ import annotations
@@ -15,6 +16,11 @@ import math
 import statistics
 import time
 from collections.abc import Callable
+
+# Calls a batch at least: with one call a batch (any call past min_batch_ms, e.g. a forward at 64k
+# tokens) a batch would time that call's host dispatch and the synchronisation's round trip as well
+# as its device work, which a training step's queue of calls hides.
+MIN_CALLS_PER_BATCH = 3
 
 
 def measure(call: Callable[[], object], sync: Callable[[object], None], *, batches: int = 10,
@@ -30,7 +36,7 @@ def measure(call: Callable[[], object], sync: Callable[[object], None], *, batch
     start = time.perf_counter()
     sync(call())
     one_ms = (time.perf_counter() - start) * 1e3
-    calls_per_batch = max(1, min(64, math.ceil(min_batch_ms / max(one_ms, 1e-3))))
+    calls_per_batch = max(MIN_CALLS_PER_BATCH, min(64, math.ceil(min_batch_ms / max(one_ms, 1e-3))))
     samples = []
     timing_start = time.perf_counter()
     while len(samples) < batches:
