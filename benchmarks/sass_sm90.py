@@ -53,6 +53,8 @@ def main() -> None:
     parser.add_argument("kernel")
     parser.add_argument("--case", type=json.loads, default=NSA_64K)
     parser.add_argument("--out", default=".")
+    parser.add_argument("--maxnreg", type=int, help="cap the registers a thread (Triton's maxnreg): does the kernel "
+                        "fit under a budget without spilling (STACK, LDL/STL in the output)?")
     args = parser.parse_args()
 
     triton_sm90.record_launches([args.case])
@@ -61,7 +63,8 @@ def main() -> None:
         names = sorted({e["kernel"].__name__ for e in triton_sm90.recorded.values()})
         sys.exit(f"{args.kernel} is not launched by this case; it launches {', '.join(names)}")
     source = ASTSource(entry["kernel"], entry["signature"], entry["constexprs"], entry["attrs"])
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=entry["options"])
+    options = dict(entry["options"], **({"maxnreg": args.maxnreg} if args.maxnreg else {}))
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, args.kernel)
@@ -74,7 +77,7 @@ def main() -> None:
     opcodes = collections.Counter(
         match.group(1).split(".")[0] for match in map(OPCODE.match, sass.splitlines()) if match
     )
-    print(f"{args.kernel}: {entry['options']}, shared {compiled.metadata.shared} B, {registers(stem + '.cubin')}")
+    print(f"{args.kernel}: {options}, shared {compiled.metadata.shared} B, {registers(stem + '.cubin')}")
     print(f"{sum(opcodes.values())} instructions:", ", ".join(f"{op} {n}" for op, n in opcodes.most_common(30)))
 
 
