@@ -59,7 +59,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(HERE)
 sys.path.insert(0, REPO_ROOT)
 sys.path.insert(0, HERE)
-from timing import error_text, measure
+from timing import MIN_CALLS_PER_BATCH, error_text, measure
 
 # H200 ceilings measured on this machine kind (KINDS.md): device-to-device copy and bf16 matmul.
 HBM_BYTES_PER_S = 4.3e12
@@ -1064,8 +1064,8 @@ def main(argv=None) -> None:
         f"implementation), window {s.window}, T = {', '.join(map(str, s.lengths))}; nsa_dsl xla rows in "
         f"{','.join(s.xla_cases)} at T <= {s.xla_max_len}")
     log(f"cases: {', '.join(args.cases)}; implementations: {', '.join(args.impls)}; budget {args.budget_s:.0f} s")
-    log(f"timing: median over up to {args.batches} batches of back-to-back calls (~{args.min_batch_ms:.0f} ms a batch,"
-        f" {args.time_cap_s:.2g} s cap), device-synchronised; first call (compile) reported apart")
+    log(f"timing: median over up to {args.batches} batches of back-to-back calls (~{args.min_batch_ms:.0f} ms and at "
+        f"least {MIN_CALLS_PER_BATCH} calls a batch, {args.time_cap_s:.2g} s cap), device-synchronised; first call (compile) reported apart")
     try:
         report.data["versions"].update(versions(s))
         log("versions: " + json.dumps({k: v for k, v in report.data["versions"].items() if k != "devices"}))
