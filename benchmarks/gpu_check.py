@@ -96,9 +96,10 @@ CORRECTNESS_CASES = [
 # Selection cases whose forward runs key block by key block (selection_forward_by_block, its lists in
 # segments of 64 rows), which problems this small would not choose (BLOCK_OUTER_PAIRS).
 KEY_BLOCK_OUTER = {"outer gqa16 d128", "outer varlen gqa4", "outer sliced gqa4"}
-# Of those, the cases whose parts are made and merged in slices of this many KV heads
-# (NSA_DSL_PAIR_PARTS_SHARE set to hold that many heads' parts, as at 128k on an H200): each slice
-# reads q and writes the output where its heads lie.
+# Of those, the cases whose parts are made and merged, and whose backward stores and reads the score
+# gradients, in slices of this many KV heads (NSA_DSL_PAIR_PARTS_SHARE and NSA_DSL_STORED_SCORES_SHARE
+# set to hold that many heads' parts and score gradients, as at 128k on an H200): each slice reads
+# its inputs and writes its outputs and gradients where its heads lie.
 SLICE_HEADS = {"outer sliced gqa4": 2}
 
 
@@ -116,18 +117,19 @@ def random_problem(rng, B, T, HQ, HKV, D, S, block, cu):
 
 def check_case(name, dtype, B, T, HQ, HKV, D, S, block, cu, platform="triton") -> dict:
     outer = name in KEY_BLOCK_OUTER and platform == "triton"
-    share = None
+    shares = {}
     if outer and name in SLICE_HEADS:
         memory = triton_glue._device_memory_bytes()
         if memory is None:
             raise RuntimeError("slices of KV heads need a device that reports its memory (a GPU)")
-        head_parts = B * T * S * (HQ // HKV) * D * jnp.dtype(dtype).itemsize  # one KV head's parts, in bytes
-        share = (SLICE_HEADS[name] + 0.5) * head_parts / memory
+        # One KV head's parts and score gradients, in bytes.
+        head_bytes = {"NSA_DSL_PAIR_PARTS_SHARE": B * T * S * (HQ // HKV) * D * jnp.dtype(dtype).itemsize,
+                      "NSA_DSL_STORED_SCORES_SHARE": B * T * S * (HQ // HKV) * block * jnp.dtype(dtype).itemsize}
+        shares = {variable: repr((SLICE_HEADS[name] + 0.5) * n / memory) for variable, n in head_bytes.items()}
     with contextlib.ExitStack() as stack:
         if outer:
             stack.enter_context(module_constants({"BLOCK_OUTER_PAIRS": 0, "SEGMENT_ROWS": 64}))
-        if share is not None:
-            stack.enter_context(mock.patch.dict(os.environ, {"NSA_DSL_PAIR_PARTS_SHARE": repr(share)}))
+        stack.enter_context(mock.patch.dict(os.environ, shares))
         return check_selection(name, dtype, B, T, HQ, HKV, D, S, block, cu, platform)
 
 

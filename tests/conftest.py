@@ -114,6 +114,24 @@ def recomputed_scores(monkeypatch):
 
 
 @pytest.fixture
+def scores_in_head_slices(monkeypatch):
+    """Memory for the score gradients of half the KV heads at a time: the backward stores and
+    reads them in two slices of heads."""
+    from nsa_dsl.runtime import triton_glue
+
+    asked = []
+
+    def fits(nbytes, share):
+        asked.append(nbytes)
+        return 2 * nbytes <= asked[0]  # asked[0]: every KV head's
+
+    monkeypatch.setattr(triton_glue, "fits_device_memory", fits)
+    jax.clear_caches()
+    yield asked
+    jax.clear_caches()
+
+
+@pytest.fixture
 def block_outer_forward(monkeypatch):
     """Every per-token selection's forward runs key block by key block (BLOCK_OUTER_PAIRS = 0), its
     pair lists in segments of 16 rows (several a list)."""

@@ -170,18 +170,28 @@ def test_selection_per_block_of_queries_in_float16(rng):
 
 
 @pytest.mark.parametrize(
-    "query_block, heads_q, cu_seqlens, score_gradients",
-    [(4, 3, [0, 5, 31, 44], "stored"), (16, 16, [0, 21, 44], "stored"), (16, 16, [0, 21, 44], "recomputed")],
+    "query_block, heads_q, heads_kv, cu_seqlens, score_gradients",
+    [
+        (4, 3, 1, [0, 5, 31, 44], "stored"),
+        (16, 16, 1, [0, 21, 44], "stored"),
+        (16, 16, 1, [0, 21, 44], "recomputed"),
+        (4, 6, 2, [0, 5, 31, 44], "stored in head slices"),
+    ],
 )
-def test_groups_of_queries_share_each_loaded_block(request, rng, query_block, heads_q, cu_seqlens, score_gradients):
+def test_groups_of_queries_share_each_loaded_block(request, rng, query_block, heads_q, heads_kv, cu_seqlens,
+                                                   score_gradients):
     """`per block(Q)` selections run as block-sparse attention: a forward or dq program takes
     several tokens of one group and loads each of the group's blocks once for all of them (Q = 4,
     group 3: the group's 4 tokens of 4 head rows; Q = 16, group 16: 4 tokens a program, a group in
     4 programs); dk/dv walk the groups that selected their block (4 groups of 4 tokens a step; a
     group in 4 steps of 4 tokens). On packed sequences that do not end on a group's edge, rows past
-    the last one; dq reading the stored score gradients, or recomputing them."""
+    the last one; dq reading the stored score gradients, or recomputing them, or reading them a
+    slice of KV heads at a time (each slice's launches writing on the gradients the slice before
+    wrote, which the first zeroed where rows belong to no group)."""
     if score_gradients == "recomputed":
         request.getfixturevalue("recomputed_scores")
+    if score_gradients == "stored in head slices":
+        asked = request.getfixturevalue("scores_in_head_slices")
     source = (
         "pattern p\nblock 16\ncausal\n"
         "branch cmp = compress(block=8, stride=8) gate g_cmp\n"
@@ -189,8 +199,10 @@ def test_groups_of_queries_share_each_loaded_block(request, rng, query_block, he
     )
     spec = NsaSpec(compress_block=8, compress_stride=8, select_count=3, select_block=16, query_block=query_block,
                    forced=lambda qb, kb: kb == qb)
-    check_against_reference(rng, source, spec, batch=1, seq_len=47, heads_q=heads_q, heads_kv=1, head_dim=24,
+    check_against_reference(rng, source, spec, batch=1, seq_len=47, heads_q=heads_q, heads_kv=heads_kv, head_dim=24,
                             cu_seqlens=cu_seqlens, gates=("cmp", "slc"))
+    if score_gradients == "stored in head slices":
+        assert asked[0] // 2 in asked, "the backward did not try slices of half the KV heads"
 
 
 @pytest.mark.skipif(not triton_glue.on_gpu(), reason="pipelining: the interpreter ignores num_stages")

@@ -156,22 +156,6 @@ def test_recomputed_score_gradients(rng, recomputed_scores, dtype, seq_len, head
     check_forward_and_gradients(rng, q, k, v, g_slc, indices, counts, block)
 
 
-@pytest.fixture
-def scores_in_head_slices(monkeypatch):
-    """Memory for the score gradients of half the KV heads at a time: the backward stores and
-    reads them in two slices of heads."""
-    asked = []
-
-    def fits(nbytes, share):
-        asked.append(nbytes)
-        return 2 * nbytes <= asked[0]  # asked[0]: every KV head's
-
-    monkeypatch.setattr(triton_glue, "fits_device_memory", fits)
-    jax.clear_caches()
-    yield asked
-    jax.clear_caches()
-
-
 @pytest.mark.parametrize(
     "dtype, seq_len, heads_q, heads_kv, head_dim, width, block",
     [(np.float32, 57, 8, 2, 48, 3, 16), (np.float16, 40, 12, 4, 32, 4, 16)],
