@@ -1065,7 +1065,8 @@ def main(argv=None) -> None:
         f"{','.join(s.xla_cases)} at T <= {s.xla_max_len}")
     log(f"cases: {', '.join(args.cases)}; implementations: {', '.join(args.impls)}; budget {args.budget_s:.0f} s")
     log(f"timing: median over up to {args.batches} batches of back-to-back calls (~{args.min_batch_ms:.0f} ms and at "
-        f"least {MIN_CALLS_PER_BATCH} calls a batch, {args.time_cap_s:.2g} s cap), device-synchronised; first call (compile) reported apart")
+        f"least {MIN_CALLS_PER_BATCH} calls a batch, {args.time_cap_s:.2g} s cap), device-synchronised; first call "
+        "(compile) reported apart")
     try:
         report.data["versions"].update(versions(s))
         log("versions: " + json.dumps({k: v for k, v in report.data["versions"].items() if k != "devices"}))
