@@ -38,7 +38,7 @@ def module_constants(constants: dict):
         for name, value in constants.items():
             attribute, _, kernel = name.partition(".")
             replaced.setdefault((id(module), attribute), (module, getattr(module, attribute)))
-            setattr(module, attribute, {**module.LAUNCH, kernel: value} if kernel else value)
+            setattr(module, attribute, {**getattr(module, attribute), kernel: value} if kernel else value)
         return module
 
     codegen.load_module = loading
