@@ -4,12 +4,12 @@ bench_gpu.py's random causal blocks of 64):
 
     PYTHONPATH=. python benchmarks/diag_block_outer.py [LENGTH [VARIANT ...]]
 
-Times, each jitted alone (timing.py): the pair lists with their segments, the parts kernel with
-its merge (one launch since session 32), the per-token forward, and native_sparse_attention's
-whole forward with the module's constants; prints the largest differences of the merged output
-and lse from the per-token forward's. A VARIANT (module_constants.parse_variant's NAME=VALUE,...:
-e.g. SEGMENT_ROWS=1024,MERGE_PROGRAMS=16,LAUNCH.selection_forward_by_block=4x3) times the lists and
-the parts kernel again under those constants. Runs: results/diag_block_outer_*_2026-12-0{2,3}s*.log."""
+Times, each jitted alone (timing.py): the pair lists with their segments, the parts kernel, XLA's
+merge of the parts (merge_splits), the per-token forward, and native_sparse_attention's whole
+forward with the module's constants; prints the largest differences of the merged output and lse
+from the per-token forward's. A VARIANT (module_constants.parse_variant's NAME=VALUE,...: e.g.
+SEGMENT_ROWS=1024,LAUNCH.selection_forward_by_block=4x3) times the lists and the parts kernel again
+under those constants. Runs: results/diag_block_outer_*_2026-12-02s{28,29,30}*.log."""
 
 from __future__ import annotations
 
@@ -78,27 +78,27 @@ def main() -> None:
         return layout.selection_by_key_block(selected, tiles.seq, blocks, slots=True, segment_rows=module.SEGMENT_ROWS)
 
     def parts(q, k, v, pairs):
-        return module._block_outer_forward(spec, tiles, q, k, v, scale, selected, blocks, pairs, 0, HKV,
-                                           module.Merging(), None)
+        return module._block_outer_parts(spec, tiles, q, k, v, scale, blocks, pairs, 0, HKV)
 
     difference = jax.jit(lambda a, b: jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
     pairs = stage("pair lists", jax.jit(lists), selected)
     segments = np.diff(np.asarray(pairs.segments))
     print(f"pairs {segments.sum()}, segments {segments.size} ({(segments > 0).sum()} not empty, the longest "
           f"{segments.max()} pairs)", flush=True)
-    merged = stage("parts kernel and merge", jax.jit(parts), q, k, v, pairs)
+    out_parts, lse_parts = stage("parts kernel", jax.jit(parts), q, k, v, pairs)
+    merged = stage("merge_splits", jax.jit(lambda o, lse: module.merge_splits(o, lse, q.dtype)), out_parts, lse_parts)
     token = stage("per-token forward", jax.jit(
         lambda q, k, v: module._forward_launch(spec, tiles, q, k, v, scale, selected, 1)), q, k, v)
     finite = jnp.isfinite(token[1])
     print(f"max|d| against the per-token forward: out {float(difference(merged[0], token[0])):.2e}, lse "
           f"{float(jnp.max(jnp.where(finite, jnp.abs(merged[1] - token[1]), 0.0))):.2e}", flush=True)
-    del token
+    del merged, token
 
     for variant in sys.argv[2:]:
         with module_constants(parse_variant(variant)):
             codegen.load_module(*loads[0])  # the same module, its constants set
             varied = stage(f"parts kernel, {variant}", jax.jit(parts), q, k, v, jax.jit(lists)(selected))
-        print(f"   max|d| against the default: {float(difference(varied[0], merged[0])):.2e}", flush=True)
+        print(f"   max|d| against the default parts: {float(difference(varied[0], out_parts)):.2e}", flush=True)
         del varied
 
 

@@ -134,8 +134,7 @@ def scores_in_head_slices(monkeypatch):
 @pytest.fixture
 def block_outer_forward(monkeypatch):
     """Every per-token selection's forward runs key block by key block (BLOCK_OUTER_PAIRS = 0), its
-    pair lists in segments of 16 rows (several a list), each list row's parts merged by 3 programs
-    (rows split unevenly), 2 list rows behind."""
+    pair lists in segments of 16 rows (several a list)."""
     from nsa_dsl import codegen
     from nsa_dsl.runtime import dispatch
 
@@ -146,8 +145,6 @@ def block_outer_forward(monkeypatch):
         if platform == "triton":
             monkeypatch.setattr(module, "BLOCK_OUTER_PAIRS", 0)
             monkeypatch.setattr(module, "SEGMENT_ROWS", 16)
-            monkeypatch.setattr(module, "MERGE_PROGRAMS", 3)
-            monkeypatch.setattr(module, "MERGE_LAG_ROWS", 2)
         return module
 
     monkeypatch.setattr(codegen, "load_module", loading)

@@ -13,7 +13,7 @@ import sys
 import textwrap
 import threading
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import SimpleNamespace
 
 import jax
 import pytest
@@ -68,17 +68,6 @@ def test_a_damaged_entry_is_refused(tmp_path, rng, damage):
     else:
         path.write_text("")
     assert triton_cache._read_entry(path) is None
-
-
-def test_a_generated_module_caps_its_kernels_registers(monkeypatch):
-    """REGISTER_CAPS of a generated module names the kernels jax-triton compiles with maxnreg; other
-    kernels, and other libraries' kernels of the same name, are left to the compiler."""
-    module = ModuleType("nsa_dsl_generated_caps")
-    module.REGISTER_CAPS = {"capped": 96}
-    monkeypatch.setitem(sys.modules, module.__name__, module)
-    assert triton_cache.register_cap(SimpleNamespace(__module__=module.__name__, __name__="capped")) == 96
-    assert triton_cache.register_cap(SimpleNamespace(__module__=module.__name__, __name__="free")) is None
-    assert triton_cache.register_cap(SimpleNamespace(__module__="somebody_else", __name__="capped")) is None
 
 
 def test_a_missing_entry_is_none(tmp_path):

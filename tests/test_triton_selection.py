@@ -95,8 +95,7 @@ def test_few_programs_split_their_walks_over_the_selected_blocks(rng, monkeypatc
 def test_key_block_outer_forward(rng, monkeypatch, block_outer_forward, dtype, batch, seq_len, heads_q, heads_kv,
                                  head_dim, width, block, cu_seqlens, memory, slices):
     """The forward key block by key block (selection_forward_by_block: each entry's part of a
-    token's softmax, merged in the same launch, as the gate applies where nothing is
-    differentiated), with per-token
+    token's softmax, merged by merge_splits, or by gated_merge as the gate applies), with per-token
     counts of 0 to S (entries naming no block), out-of-range entries and repeats: the reference's
     output and gradients, the backward walking the forward's pair lists (by slices of KV heads
     where `memory` holds the score gradients of one), the forward by slices of KV heads where it
@@ -113,7 +112,7 @@ def test_key_block_outer_forward(rng, monkeypatch, block_outer_forward, dtype, b
     forward_slices, backward_slices = slices
     assert launches.count("selection_forward_by_block") == 2 * forward_slices, launches  # differentiated and not
     assert "selection_forward" not in launches and "gated_selection_forward" not in launches, launches
-    assert "gated_merge" not in launches, "the parts merge in their own launch"
+    assert "gated_merge" in launches, "not differentiated: the parts merge as the gate applies"
     assert launches.count("selection_backward_dkdv") == backward_slices, launches
 
 

