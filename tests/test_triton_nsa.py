@@ -271,34 +271,53 @@ def test_the_selection_kernel_writes_every_branchs_gated_output(rng, monkeypatch
 
 
 @triton.jit
-def walk_chunks(keys, kept, keep_best: tl.constexpr, CHUNKS: tl.constexpr, CHUNK: tl.constexpr, COUNT: tl.constexpr):
-    """Rows [4 * program, 4 * program + 4) of keys [rows, CHUNKS * CHUNK]: their COUNT highest keys,
-    highest first, by the top-k's running best over chunks of CHUNK candidates."""
+def walk_chunks(scores, valid, kept, keep_best: tl.constexpr, block_of: tl.constexpr, CHUNKS: tl.constexpr,
+                CHUNK: tl.constexpr, COUNT: tl.constexpr):
+    """Rows [4 * program, 4 * program + 4) of scores [rows, CHUNKS * CHUNK] (candidate blocks, used
+    where valid): the ids of their COUNT best, best first (-1: none), by the top-k's running best
+    over chunks of CHUNK candidates."""
     row = tl.program_id(0) * 4 + tl.arange(0, 4)
     best = -1.0 - (row[:, None] * 0 + tl.arange(0, COUNT)[None, :]).to(tl.float64)  # empty slots
     for c in range(CHUNKS):
         chunk_at = row[:, None] * (CHUNKS * CHUNK) + c * CHUNK + tl.arange(0, CHUNK)[None, :]
-        best = keep_best(best, tl.load(keys + chunk_at), COUNT)
-    tl.store(kept + row[:, None] * COUNT + tl.arange(0, COUNT)[None, :], tl.sort(best, 1, descending=True))
+        best = keep_best(best, tl.load(scores + chunk_at), tl.load(valid + chunk_at) != 0, c * CHUNK, COUNT, CHUNK)
+    tl.store(kept + row[:, None] * COUNT + tl.arange(0, COUNT)[None, :], block_of(best))
 
 
 @pytest.mark.skipif(triton_glue.on_gpu(), reason="numpy buffers: Triton's interpreter only")
-def test_keep_best_keeps_the_highest_keys_of_every_chunk(rng):
-    """The top-k's running best (keep_best) over chunks of candidate keys, against numpy's sort:
-    rows in random order, in ascending order (every chunk beats all kept keys), with valid
-    candidates only in the first or only in the last chunks."""
+def test_keep_best_keeps_the_best_blocks_of_every_chunk(rng):
+    """The top-k's running best (keep_best) over chunks of candidate blocks, against numpy's sort by
+    score, the lower id first on exact ties: scores in random order (2**-10 apart at least: well
+    past the chunk keys' 2**-16, CHUNK_KEY_BIAS), in ascending order (every chunk beats all kept
+    blocks), densely spaced, with exact ties within and across chunks, forced blocks (+inf) and zeros, and valid
+    candidates only in the first or only in the last chunks, or in fewer than `count`."""
     source = "pattern p\nblock 16\nbranch c = compress(block=16, stride=16)\nbranch s = topk(16, block=16, score=c)"
     module = codegen.load_module("triton", nsa_dsl.compile(source).plan, for_device(None))
-    rows, chunks, chunk, count = 8, 12, 64, 16
-    # Distinct keys in [2**62, 2**63) as doubles, as the kernel's; invalid candidates negative.
-    keys = 4.6e18 * (1.0 + rng.permutation(rows * chunks * chunk).reshape(rows, -1) / (rows * chunks * chunk))
-    keys[1] = np.sort(keys[1])
-    keys[2, 5 * chunk:] = -100.0 - np.arange(keys.shape[1] - 5 * chunk)  # no valid candidate after chunk 5
-    keys[6, : 6 * chunk] = -100.0 - np.arange(6 * chunk)  # valid candidates only from chunk 6
-    kept = np.zeros((rows, count))
+    rows, chunks, chunk, count = 24, 12, 64, 16
+    blocks = chunks * chunk
+    scores = 2.0 ** (rng.permutation(rows * blocks).reshape(rows, blocks) / 1024 - 20).astype(np.float32)
+    valid = np.ones((rows, blocks), np.int32)
+    scores[0] = 1.0 + rng.permutation(blocks) * 2.0**-14  # dense: 4 of the chunk keys' steps (2**-16) apart
+    scores[1] = np.sort(scores[1])
+    valid[2, 5 * chunk:] = 0  # no valid candidate after chunk 5
+    valid[6, : 6 * chunk] = 0  # valid candidates only from chunk 6
+    scores[3] = scores[3, rng.integers(0, 40, blocks)]  # 40 values: exact ties everywhere
+    scores[4, rng.choice(blocks, 20, replace=False)] = np.inf  # more forced blocks than are kept
+    scores[5, rng.choice(blocks, blocks // 2, replace=False)] = 0.0
+    valid[7] = 0
+    valid[7, rng.choice(blocks, 9, replace=False)] = 1  # fewer candidates than kept slots
+    # The best blocks all in the first chunk, consecutive ranks one of its keys' steps apart (2**-15
+    # from 2 on: 2**-16 of the score): a chunk key twice as coarse ties ranks 16 and 17, and ranks
+    # them by place, wrongly in about one row of two.
+    scores[8:, :chunk] = 2.0 + (1 + np.stack([rng.permutation(chunk) for _ in range(rows - 8)])) * 2.0**-15
+    kept = np.zeros((rows, count), np.int32)
     walk_chunks[(rows // 4,)](
-        triton_glue.HostBuffer(keys), triton_glue.HostBuffer(kept), module.keep_best, chunks, chunk, count)
-    np.testing.assert_array_equal(kept, -np.sort(-keys, axis=1)[:, :count])
+        triton_glue.HostBuffer(scores), triton_glue.HostBuffer(valid), triton_glue.HostBuffer(kept), module.keep_best,
+        module.block_of, chunks, chunk, count)
+    for row in range(rows):
+        ids = np.flatnonzero(valid[row])
+        best = ids[np.lexsort((ids, -scores[row, ids].astype(np.float64)))][:count]
+        np.testing.assert_array_equal(kept[row], np.pad(best, (0, count - best.size), constant_values=-1), str(row))
 
 
 @pytest.mark.parametrize("platform", ["triton", "pallas"])
