@@ -279,6 +279,9 @@ NSA_CASES = [
     ("nsa paper gqa4 d64", 1, 333, 8, 2, 64, None),
     ("nsa mean gqa16 d128", 1, 700, 16, 1, 128, [0, 15, 205, 550, 690]),
     ("nsa per-block d100", 2, 257, 6, 2, 100, None),
+    # one batch row of whole tiles of 8 rows, head dim 128: on an H100/H200 the compression's and the
+    # window's forwards run on Hopper (Mosaic GPU) in float16/bfloat16
+    ("nsa hopper gqa16 d128", 1, 1000, 16, 1, 128, None),
 ]
 
 
@@ -303,6 +306,14 @@ def nsa_pattern(name):
                 "branch slc = topk(6, block=32, score=cmp, force=local(1)) gate g_slc\n"
             ),
             NsaSpec(32, 32, 6, 32, forced=lambda qb, kb: kb == qb),
+        ),
+        "nsa hopper gqa16 d128": (
+            (
+                "branch cmp = compress(block=32, stride=16) gate g_cmp\n"
+                "branch slc = topk(4, block=32, score=cmp, force=global(first=1) | local(2)) gate g_slc\n"
+                "branch swa = window(64) gate g_swa\n"
+            ),
+            NsaSpec(32, 16, 4, 32, window=64, forced=lambda qb, kb: kb < 1 or qb - 2 < kb <= qb),
         ),
         "nsa per-block d100": (
             (

@@ -15,12 +15,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_close, gate, launched_triton_kernels, normal, qkv
+from conftest import assert_close, gate, launched_triton_kernels, lower_for_cuda, normal, qkv
 from nsa_reference import NsaSpec, chosen_scores, nsa_gradients, nsa_reference, small_example
 
 import nsa_dsl
 from nsa_dsl import codegen
-from nsa_dsl.runtime import triton_glue
+from nsa_dsl.runtime import layout, triton_glue
 from nsa_dsl.runtime.platform import for_device
 
 triton_glue.prepare_kernels()  # before triton's import: without a GPU, its interpreter
@@ -333,3 +333,99 @@ def test_backward_traces_no_scatter(rng, platform):
     loss = lambda q, k, v, g: jnp.sum(attn(q, k, v, cu_seqlens=cu, platform=platform, **g) * q)  # noqa: E731
     backward = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, g))
     assert "scatter" not in backward
+
+
+# ---- the compression's forward on Hopper (templates/triton/hopper_window.py.j2) ----------------
+
+COMPRESSION_ONLY = "pattern p\nblock 64\ncausal\nbranch cmp = compress(block={}, stride={}) gate g_cmp\n"
+
+
+def compression_module(block, stride):
+    attn = nsa_dsl.compile(COMPRESSION_ONLY.format(block, stride))
+    return codegen.load_module("triton", attn.plan, for_device(attn.config))
+
+
+@pytest.mark.parametrize("block, stride, seq_len", [(64, 64, 1024), (32, 16, 1000), (256, 64, 1024), (64, 32, 8),
+                                                    (16, 16, 4096), (200, 8, 2000)])
+def test_hopper_compression_walks_every_seen_key_and_masks_only_partly_seen_steps(block, stride, seq_len):
+    """The Hopper forward's schedule of compressed keys, which CI cannot run: each query tile walks
+    every key its rows see (no step past the bound that sizes its buffers), the steps it runs
+    without a mask hold only keys every row of the warpgroup sees, and the mask on the others is
+    layout.seen_compressed's prefix; rows before the first key's last token see none."""
+    module = compression_module(block, stride)
+    keys = module._CompressedKeys(block, stride, seq_len)
+    rows, step = module.HOPPER_BLOCK_Q, module.HOPPER_BLOCK_KV
+    padded = -(-seq_len // (2 * rows)) * 2 * rows
+    count = (seq_len - block) // stride + 1 if seq_len >= block else 0
+    q_pos = np.arange(seq_len)[:, None]
+    k_pos = np.arange(-(-max(count, 1) // step) * step + step)[None, :]
+    sees = (k_pos * stride + block - 1 <= q_pos) & (k_pos < count)
+    assert (np.asarray(keys.sees(q_pos, k_pos)) == (k_pos * stride + block - 1 <= q_pos)).all()
+    assert (sees.sum(1) == np.asarray(layout.seen_compressed(jnp.arange(seq_len), block, stride))).all()
+    assert keys.empty_rows and not sees[: block - 1].any()
+    for tile_first in range(0, padded, 2 * rows):
+        tile_rows = sees[tile_first : tile_first + 2 * rows]
+        first_block, steps = (int(x) for x in keys.tile_keys(None, 0, jnp.int32(tile_first), step))
+        assert first_block == 0 and steps <= keys.most_steps(step)
+        assert tile_rows.sum() == tile_rows[:, : steps * step].sum()
+        for first_row in range(tile_first, min(tile_first + 2 * rows, seq_len), rows):
+            lower, upper = (int(x) for x in keys.unmasked(None, 0, jnp.int32(first_row), 0, steps, step))
+            assert lower == 0 and upper <= steps
+            assert sees[first_row : first_row + rows, : upper * step].all()
+
+
+def test_hopper_compression_takes_one_whole_sequence_of_whole_tiles_of_eight(monkeypatch):
+    module = compression_module(64, 64)
+    monkeypatch.setattr(triton_glue, "on_hopper", lambda: True)
+
+    def applies(seq_len, rows=None, head_dim=64, dtype=jnp.bfloat16):
+        spec = module.Compression(64, 64, 2, 2, head_dim, 0, seq_len)
+        q = jax.ShapeDtypeStruct((rows or seq_len, 4, head_dim), dtype)
+        return module.hopper_compression_applies(spec, q, jax.ShapeDtypeStruct((seq_len // 64 + 1, 2, head_dim), dtype))
+
+    assert applies(1024) and applies(328, head_dim=128, dtype=jnp.float16)
+    assert not applies(0, rows=64)  # several batch rows, packed sequences or a shard of the queries
+    assert not applies(1024, rows=2048)  # rows not those of the one sequence
+    assert not applies(333) and not applies(1024, head_dim=96) and not applies(1024, dtype=jnp.float32)
+
+
+@pytest.mark.parametrize("block, stride", [(64, 64), (256, 64)])
+def test_hopper_compression_forward_lowers_for_cuda(block, stride):
+    """Lowered for CUDA on the CPU (test_hopper_kernels_lower_for_cuda says why it does not run
+    here); test_hopper_compression_forward runs it on a GPU."""
+    pytest.importorskip("absl")  # Mosaic GPU's lowering logs through absl
+    module = compression_module(block, stride)
+    for seq_len, heads_kv, group, head_dim, dtype in ((1024, 2, 16, 128, jnp.bfloat16), (1000, 1, 3, 64, jnp.float16)):
+        spec = module.Compression(block, stride, heads_kv, group, head_dim, 0, seq_len)
+        q = jax.ShapeDtypeStruct((seq_len, heads_kv * group, head_dim), dtype)
+        k_cmp = jax.ShapeDtypeStruct((seq_len // stride + 1, heads_kv, head_dim), dtype)
+        forward = jax.jit(lambda q, k, v, scale: module.hopper_compression_forward(spec, q, k, v, scale))
+        text = lower_for_cuda(forward, q, k_cmp, k_cmp, jax.ShapeDtypeStruct((1,), jnp.float32)).as_text()
+        assert "mosaic_gpu" in text
+
+
+@pytest.mark.skipif(not triton_glue.on_hopper(), reason="Mosaic GPU kernels: a Hopper GPU only")
+@pytest.mark.parametrize("block, stride, seq_len, heads_q, heads_kv, head_dim", [
+    (64, 64, 1024, 16, 1, 64),  # one key a block: NSA's l = d = l'
+    (32, 16, 1000, 6, 2, 128),  # overlapping keys, a ragged length, group 3
+    (256, 64, 512, 4, 4, 64),  # the first tile's rows see no key: an item of no step
+])
+def test_hopper_compression_forward(rng, monkeypatch, block, stride, seq_len, heads_q, heads_kv, head_dim):
+    """The pattern's selections, output and gradients (Triton's backward reads the Hopper forward's
+    output and lse) against the float64 reference, with the Hopper forward shown to have run."""
+    source = (f"pattern p\nblock 64\ncausal\nbranch cmp = compress(block={block}, stride={stride}) gate g_cmp\n"
+              "branch slc = topk(4, block=64, score=cmp, force=local(1)) gate g_slc\n")
+    spec = NsaSpec(compress_block=block, compress_stride=stride, select_count=4, select_block=64,
+                   forced=lambda qb, kb: kb == qb)
+    attn = nsa_dsl.compile(source)
+    module = codegen.load_module("triton", attn.plan, for_device(attn.config))
+    forward, calls = module.hopper_compression_forward, []
+
+    def recorded(*args):
+        calls.append(args[1].shape)
+        return forward(*args)
+
+    monkeypatch.setattr(module, "hopper_compression_forward", recorded)
+    check_against_reference(rng, source, spec, batch=1, seq_len=seq_len, heads_q=heads_q, heads_kv=heads_kv,
+                            head_dim=head_dim, dtype=np.float16, gates=("cmp", "slc"))
+    assert calls, "the compression's forward did not run on Hopper"
