@@ -374,7 +374,7 @@ def test_hopper_compression_walks_every_seen_key_and_masks_only_partly_seen_step
             assert sees[first_row : first_row + rows, : upper * step].all()
 
 
-def test_hopper_compression_takes_one_whole_sequence_of_whole_tiles_of_eight(monkeypatch):
+def test_hopper_compression_takes_batch_rows_of_one_sequence_of_whole_tiles_of_eight(monkeypatch):
     module = compression_module(64, 64)
     monkeypatch.setattr(triton_glue, "on_hopper", lambda: True)
 
@@ -383,49 +383,58 @@ def test_hopper_compression_takes_one_whole_sequence_of_whole_tiles_of_eight(mon
         q = jax.ShapeDtypeStruct((rows or seq_len, 4, head_dim), dtype)
         return module.hopper_compression_applies(spec, q, jax.ShapeDtypeStruct((seq_len // 64 + 1, 2, head_dim), dtype))
 
-    assert applies(1024) and applies(328, head_dim=128, dtype=jnp.float16)
-    assert not applies(0, rows=64)  # several batch rows, packed sequences or a shard of the queries
-    assert not applies(1024, rows=2048)  # rows not those of the one sequence
+    assert applies(1024) and applies(328, head_dim=128, dtype=jnp.float16) and applies(1024, rows=3072)
+    assert not applies(0, rows=64)  # packed sequences, a shard of the queries, a cache's batch rows
     assert not applies(333) and not applies(1024, head_dim=96) and not applies(1024, dtype=jnp.float32)
 
 
 @pytest.mark.parametrize("block, stride", [(64, 64), (256, 64)])
 def test_hopper_compression_forward_lowers_for_cuda(block, stride):
-    """Lowered for CUDA on the CPU (test_hopper_kernels_lower_for_cuda says why it does not run
-    here); test_hopper_compression_forward runs it on a GPU."""
+    """The forward and dq lowered for CUDA on the CPU (test_hopper_kernels_lower_for_cuda says why
+    they do not run here); test_hopper_compression_forward runs them on a GPU."""
     pytest.importorskip("absl")  # Mosaic GPU's lowering logs through absl
     module = compression_module(block, stride)
-    for seq_len, heads_kv, group, head_dim, dtype in ((1024, 2, 16, 128, jnp.bfloat16), (1000, 1, 3, 64, jnp.float16)):
+    for batch, seq_len, heads_kv, group, head_dim, dtype in ((1, 1024, 2, 16, 128, jnp.bfloat16),
+                                                             (3, 1000, 1, 3, 64, jnp.float16)):
         spec = module.Compression(block, stride, heads_kv, group, head_dim, 0, seq_len)
-        q = jax.ShapeDtypeStruct((seq_len, heads_kv * group, head_dim), dtype)
-        k_cmp = jax.ShapeDtypeStruct((seq_len // stride + 1, heads_kv, head_dim), dtype)
+        q = jax.ShapeDtypeStruct((batch * seq_len, heads_kv * group, head_dim), dtype)
+        k_cmp = jax.ShapeDtypeStruct((batch * seq_len // stride + batch, heads_kv, head_dim), dtype)
+        scale = jax.ShapeDtypeStruct((1,), jnp.float32)
         forward = jax.jit(lambda q, k, v, scale: module.hopper_compression_forward(spec, q, k, v, scale))
-        text = lower_for_cuda(forward, q, k_cmp, k_cmp, jax.ShapeDtypeStruct((1,), jnp.float32)).as_text()
-        assert "mosaic_gpu" in text
+        assert "mosaic_gpu" in lower_for_cuda(forward, q, k_cmp, k_cmp, scale).as_text()
+        rows = jax.ShapeDtypeStruct(q.shape[:2], jnp.float32)
+        dq = jax.jit(lambda *args: module.hopper_compression_dq(spec, *args))
+        assert "mosaic_gpu" in lower_for_cuda(dq, q, k_cmp, k_cmp, q, rows, rows, scale).as_text()
 
 
 @pytest.mark.skipif(not triton_glue.on_hopper(), reason="Mosaic GPU kernels: a Hopper GPU only")
-@pytest.mark.parametrize("block, stride, seq_len, heads_q, heads_kv, head_dim", [
-    (64, 64, 1024, 16, 1, 64),  # one key a block: NSA's l = d = l'
-    (32, 16, 1000, 6, 2, 128),  # overlapping keys, a ragged length, group 3
-    (256, 64, 512, 4, 4, 64),  # the first tile's rows see no key: an item of no step
+@pytest.mark.parametrize("block, stride, batch, seq_len, heads_q, heads_kv, head_dim", [
+    (64, 64, 1, 1024, 16, 1, 64),  # one key a block: NSA's l = d = l'
+    (32, 16, 2, 1000, 6, 2, 128),  # overlapping keys, two batch rows of a ragged length, group 3
+    (256, 64, 1, 512, 4, 4, 64),  # the first tile's rows see no key: an item of no step
 ])
-def test_hopper_compression_forward(rng, monkeypatch, block, stride, seq_len, heads_q, heads_kv, head_dim):
-    """The pattern's selections, output and gradients (Triton's backward reads the Hopper forward's
-    output and lse) against the float64 reference, with the Hopper forward shown to have run."""
+def test_hopper_compression_forward(rng, monkeypatch, block, stride, batch, seq_len, heads_q, heads_kv, head_dim):
+    """The pattern's selections, output and gradients (Triton's dk/dv reads the Hopper forward's
+    output and lse) against the float64 reference, with the Hopper forward and dq shown to have run."""
     source = (f"pattern p\nblock 64\ncausal\nbranch cmp = compress(block={block}, stride={stride}) gate g_cmp\n"
               "branch slc = topk(4, block=64, score=cmp, force=local(1)) gate g_slc\n")
     spec = NsaSpec(compress_block=block, compress_stride=stride, select_count=4, select_block=64,
                    forced=lambda qb, kb: kb == qb)
     attn = nsa_dsl.compile(source)
     module = codegen.load_module("triton", attn.plan, for_device(attn.config))
-    forward, calls = module.hopper_compression_forward, []
+    calls = set()
 
-    def recorded(*args):
-        calls.append(args[1].shape)
-        return forward(*args)
+    def record(name):
+        kernel = getattr(module, name)
 
-    monkeypatch.setattr(module, "hopper_compression_forward", recorded)
-    check_against_reference(rng, source, spec, batch=1, seq_len=seq_len, heads_q=heads_q, heads_kv=heads_kv,
+        def recorded(*args):
+            calls.add(name)
+            return kernel(*args)
+
+        monkeypatch.setattr(module, name, recorded)
+
+    record("hopper_compression_forward")
+    record("hopper_compression_dq")
+    check_against_reference(rng, source, spec, batch=batch, seq_len=seq_len, heads_q=heads_q, heads_kv=heads_kv,
                             head_dim=head_dim, dtype=np.float16, gates=("cmp", "slc"))
-    assert calls, "the compression's forward did not run on Hopper"
+    assert calls == {"hopper_compression_forward", "hopper_compression_dq"}, calls
