@@ -173,6 +173,25 @@ def triton_launches(monkeypatch, run) -> list[tuple[str, tuple]]:
     return launches
 
 
+def record_calls(monkeypatch, module, *names) -> list[str]:
+    """Wrap the functions `names` of a generated module so that each call appends its name to the
+    list returned (which Hopper kernels ran)."""
+    calls = []
+
+    def record(name):
+        function = getattr(module, name)
+
+        def recorded(*args):
+            calls.append(name)
+            return function(*args)
+
+        monkeypatch.setattr(module, name, recorded)
+
+    for name in names:
+        record(name)
+    return calls
+
+
 def launched_triton_kernels(monkeypatch, run) -> list[str]:
     """The Triton kernels (by name) that `run()` launches, in order (triton_launches)."""
     return [name for name, _ in triton_launches(monkeypatch, run)]

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import reference
-from conftest import assert_close, gate, lower_for_cuda, normal, qkv
+from conftest import assert_close, gate, lower_for_cuda, normal, qkv, record_calls
 
 from nsa_dsl import codegen
 from nsa_dsl.api import SparseAttention
@@ -404,19 +404,7 @@ def test_hopper_kernels_lower_for_cuda(keys):
 def test_hopper_kernels_of_trailing_windows(rng, monkeypatch, keys):
     attention = compiled([keys])
     module = codegen.load_module("triton", attention.plan, for_device(attention.config))
-    calls = []
-
-    def record(name):
-        kernel = getattr(module, name)
-
-        def recorded(*args):
-            calls.append(name)
-            return kernel(*args)
-
-        monkeypatch.setattr(module, name, recorded)
-
-    record("hopper_window_forward")
-    record("hopper_window_backward")
+    calls = record_calls(monkeypatch, module, "hopper_window_forward", "hopper_window_backward")
     # The third shape has more work items (query tiles x heads x rows) than the GPU has CTAs; then a
     # ragged length, packed sequences with boundaries inside tiles and rows past the last, and one
     # query head per KV head (dk/dv unsplit; the others split their groups: few key tiles).
