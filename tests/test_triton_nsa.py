@@ -356,7 +356,8 @@ def test_hopper_compression_walks_every_seen_key_and_masks_only_partly_seen_step
     keys = module._CompressedKeys(block, stride, seq_len)
     rows, step = module.HOPPER_BLOCK_Q, module.HOPPER_BLOCK_KV
     padded = -(-seq_len // (2 * rows)) * 2 * rows
-    count = (seq_len - block) // stride + 1 if seq_len >= block else 0
+    count = int(np.asarray(layout.compressed_offsets(jnp.asarray([0, seq_len], jnp.int32), block, stride))[1])
+    assert keys.count == count
     q_pos = np.arange(seq_len)[:, None]
     k_pos = np.arange(-(-max(count, 1) // step) * step + step)[None, :]
     sees = (k_pos * stride + block - 1 <= q_pos) & (k_pos < count)
@@ -402,7 +403,6 @@ def test_hopper_compression_forward_lowers_for_cuda(block, stride):
         scale = jax.ShapeDtypeStruct((1,), jnp.float32)
         forward = jax.jit(lambda q, k, v, scale: module.hopper_compression_forward(spec, q, k, v, scale))
         assert "mosaic_gpu" in lower_for_cuda(forward, q, k_cmp, k_cmp, scale).as_text()
-
 
 
 @pytest.mark.skipif(not triton_glue.on_hopper(), reason="Mosaic GPU kernels: a Hopper GPU only")
