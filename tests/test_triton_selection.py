@@ -131,6 +131,27 @@ def test_key_block_outer_rows_inside_their_own_block(rng, monkeypatch, block_out
     assert "selection_forward_by_block" in launches, launches
 
 
+@pytest.mark.skipif(not triton_glue.on_hopper(), reason="Mosaic GPU kernels: a Hopper GPU only")
+@pytest.mark.parametrize("batch, seq_len, heads_q, heads_kv, head_dim, width, scale", [
+    (2, 200, 32, 2, 128, 5, None),  # group 16 (4 pairs a step), a partial last block a batch row
+    (1, 136, 16, 2, 64, 4, -0.3),  # group 8 (8 pairs a step), a negative scale
+])
+def test_hopper_parts_forward(rng, monkeypatch, block_outer_forward, batch, seq_len, heads_q, heads_kv, head_dim,
+                              width, scale):
+    """The parts made on Hopper (hopper_parts_forward: no selection_forward_by_block launch, the
+    parts merged by gated_merge): the reference's output and gradients, with per-token counts of 0
+    to S (entries naming no block), out-of-range entries and repeats, and every token's own block
+    first (rows that see part of a block: the masked steps)."""
+    q, k, v = qkv(rng, batch, seq_len, heads_q, heads_kv, head_dim, dtype=np.float16)
+    indices = random_indices(rng, batch, seq_len, heads_kv, width, 64, None)
+    indices[..., 0] = (np.arange(seq_len) // 64)[None, :, None]
+    counts = rng.integers(0, width + 1, (batch, seq_len, heads_kv)).astype(np.int32)
+    g_slc = gate(rng, batch, seq_len, heads_q).astype(np.float16)
+    launches = [name for name, _ in triton_launches(monkeypatch, lambda: check_forward_and_gradients(
+        rng, q, k, v, g_slc, indices, counts, 64, scale=scale))]
+    assert "selection_forward_by_block" not in launches and "gated_merge" in launches, launches
+
+
 @pytest.mark.parametrize("scale", [-0.4, 0.0, 1.7])
 def test_key_block_outer_softmax_scales(rng, monkeypatch, block_outer_forward, scale):
     """The forward key block by key block folds the scale into its exponent: a negative scale
