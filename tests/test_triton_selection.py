@@ -209,16 +209,21 @@ def test_hopper_parts_forward_lowers_for_cuda(monkeypatch, batch, seq_len, heads
 
 
 @pytest.mark.skipif(not triton_glue.on_hopper(), reason="Mosaic GPU kernels: a Hopper GPU only")
-@pytest.mark.parametrize("batch, seq_len, heads_q, heads_kv, head_dim, width, scale", [
-    (2, 200, 32, 2, 128, 5, None),  # group 16 (4 pairs a step), a partial last block a batch row
-    (1, 136, 16, 2, 64, 4, -0.3),  # group 8 (8 pairs a step), a negative scale
+@pytest.mark.parametrize("batch, seq_len, heads_q, heads_kv, head_dim, width, scale, memory", [
+    (2, 200, 32, 2, 128, 5, None, None),  # group 16 (4 pairs a step), a partial last block a batch row
+    (1, 136, 16, 2, 64, 4, -0.3, None),  # group 8 (8 pairs a step), a negative scale
+    (1, 200, 32, 2, 128, 5, None, 6_000_000),  # memory for one KV head's parts (4.1 MB): a launch a KV head
 ])
 def test_hopper_parts_forward(rng, monkeypatch, block_outer_forward, batch, seq_len, heads_q, heads_kv, head_dim,
-                              width, scale):
+                              width, scale, memory):
     """The parts made on Hopper (hopper_parts_forward: no selection_forward_by_block launch, the
     parts merged by gated_merge): the reference's output and gradients, with per-token counts of 0
     to S (entries naming no block), out-of-range entries and repeats, and every token's own block
-    first (rows that see part of a block: the masked steps)."""
+    first (rows that see part of a block: the masked steps); in slices of KV heads where `memory`
+    holds one head's parts."""
+    if memory is not None:
+        monkeypatch.setattr(triton_glue, "_device_memory_bytes", lambda: memory)
+        monkeypatch.setenv("NSA_DSL_PAIR_PARTS_SHARE", "1")
     q, k, v = qkv(rng, batch, seq_len, heads_q, heads_kv, head_dim, dtype=np.float16)
     indices = random_indices(rng, batch, seq_len, heads_kv, width, 64, None)
     indices[..., 0] = (np.arange(seq_len) // 64)[None, :, None]
