@@ -8,8 +8,8 @@ Times, each jitted alone (timing.py): the pair lists with their segments, the pa
 merge of the parts (merge_splits), the per-token forward, and native_sparse_attention's whole
 forward with the module's constants; prints the largest differences of the merged output and lse
 from the per-token forward's. A VARIANT (module_constants.parse_variant's NAME=VALUE,...: e.g.
-SEGMENT_ROWS=1024,LAUNCH.selection_forward_by_block=4x3; HOPPER_PARTS_BLOCK=0 makes the parts in
-Triton on a Hopper GPU) times the lists and the parts kernel again under those constants. Runs: results/diag_block_outer_*_2026-12-02s{28,29,30}*.log."""
+SEGMENT_ROWS=1024,LAUNCH.selection_forward_by_block=4x3) times the lists and the parts kernel again
+under those constants. Runs: results/diag_block_outer_*_2026-12-02s{28,29,30}*.log."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def main() -> None:
     stage("native_sparse_attention forward", whole, q, k, v, indices)
     codegen.load_module = load
     module = load(*loads[0])
-    spec = module.Selection(BLOCK, HKV, HQ // HKV, D, S, seq_len=length)  # one sequence: Hopper parts where they apply
+    spec = module.Selection(BLOCK, HKV, HQ // HKV, D, S)
     offsets = layout.sequence_offsets(None, 1, length)
     queries = layout.query_rows(0, 1, length, length, offsets)
     tiles = module.selection_tiles(spec, offsets, queries, length)

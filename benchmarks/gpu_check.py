@@ -92,12 +92,10 @@ CORRECTNESS_CASES = [
     ("outer gqa16 d128", 1, 300, 16, 1, 128, 4, 64, None),
     ("outer varlen gqa4", 1, 700, 8, 2, 64, 6, 32, [0, 15, 205, 550, 690]),
     ("outer sliced gqa4", 1, 700, 16, 4, 64, 6, 32, [0, 15, 205, 550, 690]),
-    # the parts made on Hopper (hopper_parts_forward): batch rows of whole row tiles, blocks of 64, group 16
-    ("outer hopper gqa16 d128", 2, 1000, 32, 2, 128, 6, 64, None),
 ]
 # Selection cases whose forward runs key block by key block (selection_forward_by_block, its lists in
 # segments of 64 rows), which problems this small would not choose (BLOCK_OUTER_PAIRS).
-KEY_BLOCK_OUTER = {"outer gqa16 d128", "outer varlen gqa4", "outer sliced gqa4", "outer hopper gqa16 d128"}
+KEY_BLOCK_OUTER = {"outer gqa16 d128", "outer varlen gqa4", "outer sliced gqa4"}
 # Of those, the cases whose parts are made and merged, and whose backward stores and reads the score
 # gradients, in slices of this many KV heads (NSA_DSL_PAIR_PARTS_SHARE and NSA_DSL_STORED_SCORES_SHARE
 # set to hold that many heads' parts and score gradients, as at 128k on an H200): each slice reads

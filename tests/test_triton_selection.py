@@ -15,12 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import check_selection_against_reference, gate, lower_for_cuda, qkv, random_indices, triton_launches
+from conftest import check_selection_against_reference, gate, qkv, random_indices, triton_launches
 
 import nsa_dsl
-from nsa_dsl import codegen
-from nsa_dsl.runtime import layout, triton_glue
-from nsa_dsl.runtime.dispatch import for_device
+from nsa_dsl.runtime import triton_glue
 
 # float16 kernels round p and ds to float16 before their matrix products.
 TOLERANCE = {np.float32: 2e-5, np.float16: 5e-3}
@@ -131,107 +129,6 @@ def test_key_block_outer_rows_inside_their_own_block(rng, monkeypatch, block_out
     launches = [name for name, _ in triton_launches(monkeypatch, lambda: check_forward_and_gradients(
         rng, q, k, v, g_slc, indices, counts, block))]
     assert "selection_forward_by_block" in launches, launches
-
-
-TOPK_SOURCE = ("pattern p\nblock 64\ncausal\nbranch cmp = compress(block=64, stride=64) gate g_cmp\n"
-               "branch slc = topk(4, block=64, score=cmp) gate g_slc\n")
-
-
-@pytest.mark.parametrize("batch, seq_len, heads_kv, width, segment_rows", [(2, 200, 2, 5, 16), (1, 1000, 1, 16, 64)])
-def test_hopper_parts_items_take_every_pair_once(rng, batch, seq_len, heads_kv, width, segment_rows):
-    """The Hopper parts' schedule (_parts_item), which CI cannot run: the steps of all work items
-    take every pair of the lists once, a key block's items only pairs of its block and KV head,
-    and the steps past an item's masked ones only tokens that see the whole block (the steps that
-    skip the mask)."""
-    module = codegen.load_module("triton", nsa_dsl.compile(TOPK_SOURCE).plan, for_device(None))
-    block, total = 64, batch * seq_len
-    offsets = layout.sequence_offsets(None, batch, seq_len)
-    row_info = layout.rows(offsets, total)
-    indices = random_indices(rng, batch, seq_len, heads_kv, width, block).reshape(total, heads_kv, width)
-    counts = rng.integers(0, width + 1, (total, heads_kv)).astype(np.int32)
-    selected = np.asarray(layout.clean_selection(jnp.asarray(indices), jnp.asarray(counts), row_info, block))
-    blocks = layout.sequence_blocks(offsets, total, block)
-    pairs = layout.selection_by_key_block(jnp.asarray(selected), row_info.seq, blocks, slots=True,
-                                          segment_rows=segment_rows)
-    tokens, slots = np.asarray(pairs.tokens), np.asarray(pairs.slots)
-    lists, per_list = blocks.count + 1, -(-total // segment_rows)
-    pairs_per_step = 4  # group 16
-    items = jax.vmap(lambda index: module._parts_item(index, lists, heads_kv, per_list, pairs_per_step,
-                                                      blocks.first_row, pairs.segments))(
-        jnp.arange(lists * heads_kv * per_list, dtype=jnp.int32))
-    masked = jax.vmap(lambda item: item.masked_steps(pairs.tokens[jnp.minimum(item.base, tokens.size - 1)],
-                                                     pairs_per_step))(items)
-    items, masked = jax.tree.map(np.asarray, items), np.asarray(masked)
-    taken = np.zeros(tokens.size, np.int64)
-    for n in range(masked.size):
-        for step in range(items.steps[n]):
-            at = items.base[n] + step * items.stride[n] + np.arange(pairs_per_step)
-            at = at[at < items.stop[n]]
-            assert at.size > 0
-            taken[at] += 1
-            entry = selected[tokens[at], items.head_kv[n], slots[at]]
-            if not items.names_block[n]:
-                assert (entry < 0).all()
-                continue
-            first_row = tokens[at] // seq_len * seq_len + entry * block
-            assert (first_row == items.first_row[n]).all()
-            if step >= masked[n]:
-                assert (tokens[at] >= items.first_row[n] + block - 1).all()
-    assert (taken == 1).all()
-    assert masked.max() > 0 and (items.names_block & (items.steps > masked)).any()  # both kinds of step
-
-
-@pytest.mark.parametrize("batch, seq_len, heads_kv, group, head_dim, dtype", [
-    (1, 4096, 4, 16, 128, jnp.bfloat16), (2, 1000, 2, 8, 64, jnp.float16)])
-def test_hopper_parts_forward_lowers_for_cuda(monkeypatch, batch, seq_len, heads_kv, group, head_dim, dtype):
-    """_block_outer_parts takes the Hopper kernel where it applies, lowered for CUDA on the CPU
-    (test_hopper_parts_forward runs it on a GPU)."""
-    pytest.importorskip("absl")  # Mosaic GPU's lowering logs through absl
-    monkeypatch.setattr(triton_glue, "on_hopper", lambda: True)
-    module = codegen.load_module("triton", nsa_dsl.compile(TOPK_SOURCE).plan, for_device(None))
-    total, entries = batch * seq_len, 16
-    spec = module.Selection(64, heads_kv, group, head_dim, entries, seq_len=seq_len)
-    offsets = layout.sequence_offsets(None, batch, seq_len)
-    queries = layout.query_rows(0, batch, seq_len, seq_len, offsets)
-
-    def parts(q, k, v, scale, selected):
-        tiles = module.selection_tiles(spec, offsets, queries, total)
-        blocks = layout.sequence_blocks(offsets, total, spec.block)
-        assert module.hopper_parts_applies(spec, q, k, blocks)
-        pairs = layout.selection_by_key_block(selected, tiles.seq, blocks, slots=True, segment_rows=module.SEGMENT_ROWS)
-        return module._block_outer_parts(spec, tiles, q, k, v, scale, blocks, pairs, 0, heads_kv)
-
-    q = jax.ShapeDtypeStruct((total, heads_kv * group, head_dim), dtype)
-    k = jax.ShapeDtypeStruct((total, heads_kv, head_dim), dtype)
-    selected = jax.ShapeDtypeStruct((total, heads_kv, entries), jnp.int32)
-    arguments = (q, k, k, jax.ShapeDtypeStruct((1,), jnp.float32), selected)
-    assert "mosaic_gpu" in lower_for_cuda(jax.jit(parts), *arguments).as_text()
-
-
-@pytest.mark.skipif(not triton_glue.on_hopper(), reason="Mosaic GPU kernels: a Hopper GPU only")
-@pytest.mark.parametrize("batch, seq_len, heads_q, heads_kv, head_dim, width, scale, memory", [
-    (2, 200, 32, 2, 128, 5, None, None),  # group 16 (4 pairs a step), a partial last block a batch row
-    (1, 136, 16, 2, 64, 4, -0.3, None),  # group 8 (8 pairs a step), a negative scale
-    (1, 200, 32, 2, 128, 5, None, 6_000_000),  # memory for one KV head's parts (4.1 MB): a launch a KV head
-])
-def test_hopper_parts_forward(rng, monkeypatch, block_outer_forward, batch, seq_len, heads_q, heads_kv, head_dim,
-                              width, scale, memory):
-    """The parts made on Hopper (hopper_parts_forward: no selection_forward_by_block launch, the
-    parts merged by gated_merge): the reference's output and gradients, with per-token counts of 0
-    to S (entries naming no block), out-of-range entries and repeats, and every token's own block
-    first (rows that see part of a block: the masked steps); in slices of KV heads where `memory`
-    holds one head's parts."""
-    if memory is not None:
-        monkeypatch.setattr(triton_glue, "_device_memory_bytes", lambda: memory)
-        monkeypatch.setenv("NSA_DSL_PAIR_PARTS_SHARE", "1")
-    q, k, v = qkv(rng, batch, seq_len, heads_q, heads_kv, head_dim, dtype=np.float16)
-    indices = random_indices(rng, batch, seq_len, heads_kv, width, 64, None)
-    indices[..., 0] = (np.arange(seq_len) // 64)[None, :, None]
-    counts = rng.integers(0, width + 1, (batch, seq_len, heads_kv)).astype(np.int32)
-    g_slc = gate(rng, batch, seq_len, heads_q).astype(np.float16)
-    launches = [name for name, _ in triton_launches(monkeypatch, lambda: check_forward_and_gradients(
-        rng, q, k, v, g_slc, indices, counts, 64, scale=scale))]
-    assert "selection_forward_by_block" not in launches and "gated_merge" in launches, launches
 
 
 @pytest.mark.parametrize("scale", [-0.4, 0.0, 1.7])
