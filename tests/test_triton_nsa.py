@@ -134,23 +134,31 @@ def test_packed_sequences_with_learned_pooling(rng):
                             cu_seqlens=[0, 6, 25, 38], gates=("cmp", "slc"), softmax_scale=0.4)
 
 
+FORCE_FIRST, FORCE_OWN = ("global(first=1)", lambda qb, kb: kb < 1), ("local(1)", lambda qb, kb: kb == qb)
+
+
 @pytest.mark.parametrize(
-    "compress_block, compress_stride, seq_len, heads_q, cu_seqlens",
+    "compress_block, compress_stride, seq_len, heads_q, cu_seqlens, force",
     [
-        (16, 8, 200, 2, None),  # overlapping keys: 7 blocks a chunk; the second's best interleave with the first's
-        (16, 16, 300, 1, [0, 21, 300]),  # one key per block: 16 blocks a chunk; group 1, packed
+        # overlapping keys: 7 blocks a chunk; the second's best interleave with the first's
+        (16, 8, 200, 2, None, FORCE_FIRST),
+        # the walk's first chunk, whose first key starts before the sequence, is masked; block 0 is not forced
+        (16, 8, 260, 2, [0, 40, 260], FORCE_OWN),
+        (16, 16, 300, 1, [0, 21, 300], FORCE_FIRST),  # one key per block: 16 blocks a chunk; group 1, packed
     ],
 )
-def test_topk_merges_chunks_of_candidate_blocks(rng, compress_block, compress_stride, seq_len, heads_q, cu_seqlens):
+def test_topk_merges_chunks_of_candidate_blocks(rng, compress_block, compress_stride, seq_len, heads_q, cu_seqlens,
+                                                force):
     """block_k=16 makes the top-k walk a long sequence's blocks in several chunks, each merged into
-    the running best. Selections and output (the other tests differentiate shorter sequences)."""
+    the running best; chunks that every row of a tile sees whole are ranked unmasked. Selections and
+    output (the other tests differentiate shorter sequences)."""
     source = (
         "pattern p\nblock 16\n"
         f"branch cmp = compress(block={compress_block}, stride={compress_stride}) gate g_cmp\n"
-        "branch slc = topk(3, block=16, score=cmp, force=global(first=1)) gate g_slc\n"
+        f"branch slc = topk(3, block=16, score=cmp, force={force[0]}) gate g_slc\n"
     )
     spec = NsaSpec(compress_block=compress_block, compress_stride=compress_stride, select_count=3, select_block=16,
-                   forced=lambda qb, kb: kb < 1)
+                   forced=force[1])
     check_against_reference(rng, source, spec, batch=1, seq_len=seq_len, heads_q=heads_q, heads_kv=1, head_dim=16,
                             cu_seqlens=cu_seqlens, gates=("cmp", "slc"),
                             config=nsa_dsl.NativeSparseAttentionConfig(block_size=16, block_k=16), gradients=False)
