@@ -99,23 +99,25 @@ def forward(q, k, v, masks: Sequence, gates: Sequence, scale) -> np.ndarray:
 
 def gradients(q, k, v, masks: Sequence, gates: Sequence, scale, d_out) -> dict[str, object]:
     """Float64 cotangents of gated_attention for the output cotangent d_out:
-    {"q", "k", "v": arrays, "gates": list with None where the gate is None}."""
+    {"q", "k", "v": arrays, "gates": list with None where the gate is None, "scale": a float}."""
     with jax.enable_x64(True):
         as64 = lambda x: jnp.asarray(np.asarray(x, dtype=np.float64))  # noqa: E731
         present = [i for i, g in enumerate(gates) if g is not None]
 
         @jax.jit  # one compilation instead of dozens of eager float64 ops
-        def cotangents(q, k, v, given, d_out):
-            def f(q, k, v, given):
+        def cotangents(q, k, v, given, scale, d_out):
+            def f(q, k, v, given, scale):
                 full = list(gates)
                 for i, g in zip(present, given):
                     full[i] = g
-                return gated_attention(q, k, v, masks, full, float(scale), jnp)
+                return gated_attention(q, k, v, masks, full, scale, jnp)
 
-            return jax.vjp(f, q, k, v, given)[1](d_out)
+            return jax.vjp(f, q, k, v, given, scale)[1](d_out)
 
-        dq, dk, dv, d_given = cotangents(as64(q), as64(k), as64(v), [as64(gates[i]) for i in present], as64(d_out))
+        dq, dk, dv, d_given, d_scale = cotangents(as64(q), as64(k), as64(v), [as64(gates[i]) for i in present],
+                                                  as64(scale), as64(d_out))
         d_gates: list[np.ndarray | None] = [None] * len(gates)
         for i, g in zip(present, d_given):
             d_gates[i] = np.asarray(g)
-        return {"q": np.asarray(dq), "k": np.asarray(dk), "v": np.asarray(dv), "gates": d_gates}
+        return {"q": np.asarray(dq), "k": np.asarray(dk), "v": np.asarray(dv), "gates": d_gates,
+                "scale": float(d_scale)}

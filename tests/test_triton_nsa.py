@@ -15,7 +15,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_close, gate, launched_triton_kernels, lower_for_cuda, normal, qkv, record_calls
+from conftest import (
+    assert_close,
+    assert_scale_gradient_close,
+    gate,
+    launched_triton_kernels,
+    lower_for_cuda,
+    normal,
+    qkv,
+    record_calls,
+)
 from nsa_reference import NsaSpec, chosen_scores, nsa_gradients, nsa_reference, small_example
 
 import nsa_dsl
@@ -100,7 +109,7 @@ def check_against_reference(rng, source, spec, *, batch, seq_len, heads_q, heads
 
     step, w = 1e-4, spec.weights()
     numeric = (loss(w, scale + step) - loss(w, scale - step)) / (2 * step)
-    assert_close(d_scale, numeric, gradient_tolerance, "d softmax_scale")
+    assert_scale_gradient_close(d_scale, numeric, q, wanted["q"], scale, gradient_tolerance)
     if learned:
         numeric = [(loss(w + step * e, scale) - loss(w - step * e, scale)) / (2 * step) for e in np.eye(len(w))]
         assert_close(d_weights, np.array(numeric), gradient_tolerance, "d pooling weights")

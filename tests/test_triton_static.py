@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import reference
-from conftest import assert_close, gate, lower_for_cuda, normal, qkv, record_calls
+from conftest import assert_close, assert_scale_gradient_close, gate, lower_for_cuda, normal, qkv, record_calls
 
 from nsa_dsl import codegen
 from nsa_dsl.api import SparseAttention
@@ -49,7 +49,7 @@ def compiled(keys_by_branch, *, causal=True, block=16, gates=None, tiles=(16, 16
 
 
 def check(rng, attention, q, k, v, gates=None, cu_seqlens=None):
-    """Forward and gradients of q, k, v (and of the passed gates) against the reference."""
+    """Forward and gradients of q, k, v, the softmax scale (and of the passed gates) against the reference."""
     gates = gates or {}
     plan = attention.plan
     batch, seq_len, heads_q, head_dim = q.shape
@@ -66,10 +66,11 @@ def check(rng, attention, q, k, v, gates=None, cu_seqlens=None):
     scale = 1.0 / np.sqrt(head_dim)
     names = sorted(gates)
 
-    def run(q, k, v, *gate_values):
-        return attention(q, k, v, cu_seqlens=cu_seqlens, platform="triton", **dict(zip(names, gate_values)))
+    def run(q, k, v, softmax_scale, *gate_values):
+        return attention(q, k, v, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, platform="triton",
+                         **dict(zip(names, gate_values)))
 
-    out, pullback = jax.vjp(run, q, k, v, *(gates[n] for n in names))
+    out, pullback = jax.vjp(run, q, k, v, jnp.float32(scale), *(gates[n] for n in names))
     assert out.dtype == q.dtype
     assert_close(out, reference.forward(q, k, v, masks, branch_gates, scale), tolerance, "output")
     d_out = normal(rng, *q.shape, dtype=q.dtype)
@@ -77,7 +78,8 @@ def check(rng, attention, q, k, v, gates=None, cu_seqlens=None):
     expected = reference.gradients(q, k, v, masks, branch_gates, scale, d_out)
     for name, actual, wanted in zip(("dq", "dk", "dv"), grads, (expected["q"], expected["k"], expected["v"])):
         assert_close(actual, wanted, tolerance, name)
-    for name, actual in zip(names, grads[3:]):
+    assert_scale_gradient_close(grads[3], expected["scale"], q, expected["q"], scale, tolerance)
+    for name, actual in zip(names, grads[4:]):
         wanted = next(g for g, passed in zip(expected["gates"], branch_gates) if passed is gates[name])
         assert_close(actual, wanted, tolerance, f"d{name}")
 
