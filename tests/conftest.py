@@ -218,7 +218,7 @@ def assert_scale_gradient_close(actual, expected, q, d_q, scale, tolerance: floa
     value it may err by what storing dq rounds away, the dtype's unit roundoff times
     sum |q . d_q| / |scale| (d_q: the reference's)."""
     q = np.asarray(q)
-    roundoff = float(np.finfo(q.dtype).eps) / 2
+    roundoff = float(jax.numpy.finfo(q.dtype).eps) / 2  # jax.numpy: bfloat16 too
     floor = roundoff * float(np.sum(np.abs(q.astype(np.float64) * np.asarray(d_q, np.float64)))) / abs(float(scale))
     allowed = tolerance * abs(float(expected)) + floor
     error = abs(float(actual) - float(expected))
