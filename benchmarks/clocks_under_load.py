@@ -31,7 +31,6 @@ def sampled(run, seconds: float) -> tuple[float, list[list[str]]]:
     sampler = subprocess.Popen(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits", "-lms", "100"],
                                stdout=subprocess.PIPE, text=True)
     calls, start = 0, time.perf_counter()
-    result = None
     while time.perf_counter() - start < seconds:
         for _ in range(3):  # queued behind each other, as a training step's calls are
             result = run()
@@ -59,18 +58,11 @@ def main() -> None:
     args = parser.parse_args()
 
     import jax
-    import jax.numpy as jnp
-    from bench_gpu import NSA_PATTERN, Settings
-
-    import nsa_dsl
+    from bench_gpu import Settings
+    from forward_timeline import forward_and_inputs
 
     s = Settings()
-    keys = jax.random.split(jax.random.key(0), 4)
-    q = jax.random.normal(keys[0], (1, args.length, s.q_heads, s.head_dim), jnp.bfloat16)
-    k, v = (jax.random.normal(key, (1, args.length, s.kv_heads, s.head_dim), jnp.bfloat16) for key in keys[1:3])
-    gates = jax.nn.sigmoid(jax.random.normal(keys[3], (3, 1, args.length, s.q_heads))).astype(jnp.bfloat16)
-    attention = nsa_dsl.compile(NSA_PATTERN.format(block=s.block, selected=s.selected, window=s.window))
-    nsa = jax.jit(lambda q, k, v, g: attention(q, k, v, g_cmp=g[0], g_slc=g[1], g_swa=g[2], platform="triton"))
+    nsa, (q, k, v, gates) = forward_and_inputs(args.length)
     dense = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"))
     print(f"clocks_under_load: T={args.length} {s}, {jax.devices()[0].device_kind}", flush=True)
     idle = subprocess.run(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits"],

@@ -24,7 +24,9 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 
-def profile(length: int, case: str) -> None:
+def forward_and_inputs(length: int, case: str = "nsa"):
+    """(jitted forward, its arguments) at bench_gpu's setting: the full NSA pattern (NSA_PATTERN with
+    its gates) for case "nsa", else native_sparse_attention with bench_gpu's random selections."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -40,13 +42,18 @@ def profile(length: int, case: str) -> None:
         attention = nsa_dsl.compile(NSA_PATTERN.format(block=s.block, selected=s.selected, window=s.window))
         gates = jax.nn.sigmoid(jax.random.normal(keys[3], (3, 1, length, s.q_heads), jnp.float32)).astype(jnp.bfloat16)
         forward = jax.jit(lambda q, k, v, g: attention(q, k, v, g_cmp=g[0], g_slc=g[1], g_swa=g[2], platform="triton"))
-        args = (q, k, v, gates)
-    else:
-        indices = jnp.asarray(random_selections(np.random.default_rng([0, length]), s, length))
-        cfg = nsa_dsl.NativeSparseAttentionConfig(block_size=s.block)
-        forward = jax.jit(lambda q, k, v, i: nsa_dsl.native_sparse_attention(
-            q, k, v, None, None, i, s.selected, None, platform="triton", cfg=cfg))
-        args = (q, k, v, indices)
+        return forward, (q, k, v, gates)
+    indices = jnp.asarray(random_selections(np.random.default_rng([0, length]), s, length))
+    cfg = nsa_dsl.NativeSparseAttentionConfig(block_size=s.block)
+    forward = jax.jit(lambda q, k, v, i: nsa_dsl.native_sparse_attention(
+        q, k, v, None, None, i, s.selected, None, platform="triton", cfg=cfg))
+    return forward, (q, k, v, indices)
+
+
+def profile(length: int, case: str) -> None:
+    import jax
+
+    forward, args = forward_and_inputs(length, case)
     jax.block_until_ready(forward(*args))
     cuda = ctypes.CDLL("libcuda.so.1")
     cuda.cuProfilerStart()
