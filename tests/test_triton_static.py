@@ -287,8 +287,8 @@ def test_hopper_kernels_take_aligned_rows_of_whole_tiles_of_eight_float16_bfloat
 
 @pytest.mark.parametrize("seq_len, cu_seqlens", HOPPER_LAYOUTS)
 def test_hopper_kernels_cover_every_visible_pair_and_skip_the_mask_only_where_all_are_visible(seq_len, cu_seqlens):
-    """The Hopper kernels' schedules, which CI cannot run: for every query tile (forward, dq) the
-    key blocks walked hold every key its rows see, and the steps run without a mask hold only
+    """The Hopper kernels' schedules, which CI cannot run: for every query tile of dq the key blocks
+    walked hold every key its rows see (the forward's walks: test_hopper_forward_walks_cover_what_their_rows_see), and the steps run without a mask hold only
     visible pairs; the same for every key tile's query blocks (dk/dv). Rows and keys past the batch
     row count for nothing (TMA drops their stores; zero q and d_out add nothing to dk/dv); with
     cu_seqlens, rows past its end are real rows that see nothing and that no query sees."""
@@ -322,17 +322,17 @@ def test_hopper_kernels_cover_every_visible_pair_and_skip_the_mask_only_where_al
 
         for tile_first in range(0, padded, 2 * rows):
             tile_rows = sees[tile_first : tile_first + 2 * rows]
-            for block in (module.HOPPER_DQ_STEP, module.HOPPER_BLOCK_KV):
-                first_block, steps = (int(x) for x in module._tile_keys(tile_first, first_seen(tile_first), block))
-                walked = slice(first_block * block, (first_block + steps) * block)
-                assert steps >= 1 and tile_rows.sum() == tile_rows[:, walked].sum()
-                for first_row in (tile_first, tile_first + rows):
-                    last_first_seen = first_seen(first_row + rows - 1)
-                    lower, upper = module._unmasked_steps(first_row, last_first_seen, first_block, steps, block)
-                    kept = slice(first_row, min(first_row + rows, seq_len))
-                    for step in range(int(lower), int(upper)):
-                        keys = slice((first_block + step) * block, (first_block + step + 1) * block)
-                        assert sees[kept, keys].all(), (window, first_row, block, step)
+            block = module.HOPPER_DQ_STEP
+            first_block, steps = (int(x) for x in module._tile_keys(tile_first, first_seen(tile_first), block))
+            walked = slice(first_block * block, (first_block + steps) * block)
+            assert steps >= 1 and tile_rows.sum() == tile_rows[:, walked].sum()
+            for first_row in (tile_first, tile_first + rows):
+                last_first_seen = first_seen(first_row + rows - 1)
+                lower, upper = module._unmasked_steps(first_row, last_first_seen, first_block * block, steps, block)
+                kept = slice(first_row, min(first_row + rows, seq_len))
+                for step in range(int(lower), int(upper)):
+                    keys = slice((first_block + step) * block, (first_block + step + 1) * block)
+                    assert sees[kept, keys].all(), (window, first_row, block, step)
             block = module.HOPPER_DKDV_STEP
             spans = module._tile_queries(tile_first, past_seen(tile_first), past_seen(tile_first + 2 * rows - 1), block)
             first, end, lower, upper = (int(x) for x in spans)
@@ -401,6 +401,49 @@ def test_hopper_kernels_lower_for_cuda(keys):
         assert text.count("mosaic_gpu") >= 2  # the dq and the dk/dv kernels
 
 
+@pytest.mark.parametrize("window, group", [(512, 16), (512, 4), (200, 8), (200, 32), (40, 64), (1, 8), (130, 1),
+                                           (65, 16), (2**31 - 1, 16)])
+def test_hopper_forward_walks_cover_what_their_rows_see(window, group):
+    """The Hopper forward's walk of each item (_item_walk: whole steps of 128 keys from a whole tile of
+    8 key rows, then a last step) covers every key its rows see, within the static bound the kernel
+    sizes its query buffers by, and the keys of the steps it leaves unmasked are seen by every row of
+    the compute warpgroup. A KV group's heads share rows where the window is bounded (_Rows.of): the
+    window of 512 with 16 heads a group walks 4 steps of 128 and one of 16 keys a row, where 128
+    tokens of one head walk 5 of 128."""
+    attention = compiled([W(window)])
+    module = codegen.load_module("triton", attention.plan, for_device(attention.config))
+    block = module.HOPPER_BLOCK_KV
+    for seq_len, cu_seqlens in ((1000, None), (1000, [0, 3, 300, 301, 990])):
+        packed = cu_seqlens is not None
+        spec = module.Static(module.static_kernels_b0, 1, group, 64, packed, seq_len=seq_len)
+        offsets = jnp.asarray(cu_seqlens if packed else [0, seq_len], jnp.int32)
+        starts = module._sequence_rows(spec, offsets, module._tiles(seq_len) * 2 * module.HOPPER_BLOCK_Q)[0]
+        visibility = module._Visibility.of(spec)
+        rows = module._Rows.of(visibility, group)
+        assert rows.heads == (group if window < seq_len and group >= 8 else 1)
+        most_steps = rows.steps(visibility.most_keys(2 * rows.tokens) + module.HOPPER_ROW_MULTIPLE - 1)
+
+        def seen(token):  # [first, last] keys of a query token
+            start = int(starts[0, token]) if packed else 0
+            return (max(start, token - window + 1) if visibility.bounded else start), token
+
+        for tile_first in range(0, seq_len, 2 * rows.tokens):
+            first_key, whole, steps = map(int, module._item_walk(visibility, rows, starts, 0, jnp.int32(tile_first)))
+            end_key = first_key + whole * block + (rows.last_step if steps else 0)
+            assert first_key % module.HOPPER_ROW_MULTIPLE == 0 and steps <= most_steps
+            for member in range(2):
+                tokens = range(tile_first + member * rows.tokens, tile_first + (member + 1) * rows.tokens)
+                for token in tokens:
+                    low, high = seen(token)
+                    assert low > high or first_key <= low and high < end_key, (tile_first, token)
+                lower, upper = map(int, visibility.unmasked(starts, 0, tokens[0], tokens[-1], first_key, whole, block))
+                for step in range(lower, upper):
+                    assert all(seen(token)[0] <= first_key + step * block and first_key + (step + 1) * block - 1
+                               <= token for token in tokens), (tile_first, member, step)
+            if (window, group) == (512, 16) and not packed and tile_first >= 512:
+                assert (whole, rows.last_step) == (4, 16)
+
+
 @pytest.mark.skipif(not triton_glue.on_hopper(), reason="Mosaic GPU kernels: a Hopper GPU only")
 @pytest.mark.parametrize("keys", [W(200), L(2**31 - 1)])
 def test_hopper_kernels_of_trailing_windows(rng, monkeypatch, keys):
@@ -412,7 +455,7 @@ def test_hopper_kernels_of_trailing_windows(rng, monkeypatch, keys):
     # query head per KV head (dk/dv unsplit; the others split their groups: few key tiles).
     shapes = [((2, 384, 4, 4, 64), None), ((1, 384, 32, 2, 128), None), ((3, 384, 48, 3, 64), None),
               ((2, 328, 8, 2, 128), None), ((1, 520, 16, 2, 64), np.array([0, 100, 101, 357, 500], np.int32)),
-              ((1, 256, 8, 1, 64), None)]
+              ((1, 256, 8, 1, 64), None), ((1, 264, 32, 1, 128), None)]
     for shape, cu_seqlens in shapes:
         calls.clear()
         check(rng, attention, *qkv(rng, *shape, dtype=np.float16), cu_seqlens=cu_seqlens)
