@@ -290,8 +290,9 @@ def test_hopper_kernels_cover_every_visible_pair_and_skip_the_mask_only_where_al
     """The Hopper kernels' schedules, which CI cannot run: for every query tile of dq the key blocks
     walked hold every key its rows see, and the steps run without a mask hold only visible pairs;
     the same for every key tile's query blocks (dk/dv); the forward's walks:
-    test_hopper_forward_walks_cover_what_their_rows_see. Rows and keys past the batch row count for nothing (TMA drops their stores; zero q and d_out add nothing to dk/dv); with
-    cu_seqlens, rows past its end are real rows that see nothing and that no query sees."""
+    test_hopper_forward_walks_cover_what_their_rows_see. Rows and keys past the batch row count for
+    nothing (TMA drops their stores; zero q and d_out add nothing to dk/dv); with cu_seqlens, rows past
+    its end are real rows that see nothing and that no query sees."""
     attention = compiled([W(512)])
     module = codegen.load_module("triton", attention.plan, for_device(attention.config))
     rows = module.HOPPER_BLOCK_Q
