@@ -381,14 +381,15 @@ def test_hopper_compression_walks_every_seen_key_and_masks_only_partly_seen_step
     assert (np.asarray(keys.sees(q_pos, k_pos)) == (k_pos * stride + block - 1 <= q_pos)).all()
     assert (sees.sum(1) == np.asarray(layout.seen_compressed(jnp.arange(seq_len), block, stride))).all()
     assert keys.empty_rows and not sees[: block - 1].any()
+    walk = module._Rows.one_head()
     for tile_first in range(0, padded, 2 * rows):
         tile_rows = sees[tile_first : tile_first + 2 * rows]
-        first_block, steps = (int(x) for x in keys.tile_keys(None, 0, jnp.int32(tile_first), step))
-        assert first_block == 0 and steps <= keys.most_steps(step)
+        first_key, whole, steps = (int(x) for x in module._item_walk(keys, walk, None, 0, jnp.int32(tile_first)))
+        assert first_key == 0 and steps <= walk.most_steps(keys)
         assert tile_rows.sum() == tile_rows[:, : steps * step].sum()
         for first_row in range(tile_first, min(tile_first + 2 * rows, seq_len), rows):
-            lower, upper = (int(x) for x in keys.unmasked(None, 0, jnp.int32(first_row), 0, steps, step))
-            assert lower == 0 and upper <= steps
+            lower, upper = (int(x) for x in keys.unmasked(None, 0, jnp.int32(first_row), None, 0, whole, step))
+            assert lower == 0 and upper <= whole
             assert sees[first_row : first_row + rows, : upper * step].all()
 
 

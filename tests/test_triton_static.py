@@ -372,7 +372,7 @@ def test_hopper_dkdv_splits_groups_of_unequal_key_tiles_and_of_too_few_ctas(monk
     assert splits(100, 1024, 4, 12, packed=True) == 6  # 32 CTAs
 
 
-@pytest.mark.parametrize("keys", [W(512), L(2**31 - 1)])
+@pytest.mark.parametrize("keys", [W(512), W(200), L(2**31 - 1)])
 def test_hopper_kernels_lower_for_cuda(keys):
     """Mosaic GPU kernels run only on a Hopper GPU, and jax 0.10's Mosaic GPU interpreter lacks the
     transposed shared-memory operand of wgmma: on the CPU, the forward and backward kernels are
@@ -422,7 +422,7 @@ def test_hopper_forward_walks_cover_what_their_rows_see(window, group):
         visibility = module._Visibility.of(spec)
         rows = module._Rows.of(visibility, group)
         assert rows.heads == (group if window < seq_len and group >= 8 else 1)
-        most_steps = rows.steps(visibility.most_keys(2 * rows.tokens) + module.HOPPER_ROW_MULTIPLE - 1)
+        most_steps = rows.most_steps(visibility)
 
         def seen(token):  # [first, last] keys of a query token
             start = int(starts[0, token]) if packed else 0
@@ -446,14 +446,17 @@ def test_hopper_forward_walks_cover_what_their_rows_see(window, group):
 
 
 @pytest.mark.skipif(not triton_glue.on_hopper(), reason="Mosaic GPU kernels: a Hopper GPU only")
-@pytest.mark.parametrize("keys", [W(200), L(2**31 - 1)])
+@pytest.mark.parametrize("keys", [W(154), W(140), W(200), L(2**31 - 1)])
 def test_hopper_kernels_of_trailing_windows(rng, monkeypatch, keys):
     attention = compiled([keys])
     module = codegen.load_module("triton", attention.plan, for_device(attention.config))
     calls = record_calls(monkeypatch, module, "hopper_window_forward", "hopper_window_backward")
     # The third shape has more work items (query tiles x heads x rows) than the GPU has CTAs; then a
     # ragged length, packed sequences with boundaries inside tiles and rows past the last, and one
-    # query head per KV head (dk/dv unsplit; the others split their groups: few key tiles).
+    # query head per KV head (dk/dv unsplit; the others split their groups: few key tiles). Groups of
+    # 8, 16 and 32 heads share a warpgroup's rows (_Rows.of); their forward's last step takes 48 keys
+    # of window 154 (V in a buffer of its own, 32-byte swizzle), 32 (64-byte) or 48 of window 140, and
+    # 128 of window 200.
     shapes = [((2, 384, 4, 4, 64), None), ((1, 384, 32, 2, 128), None), ((3, 384, 48, 3, 64), None),
               ((2, 328, 8, 2, 128), None), ((1, 520, 16, 2, 64), np.array([0, 100, 101, 357, 500], np.int32)),
               ((1, 256, 8, 1, 64), None), ((1, 264, 32, 1, 128), None)]
