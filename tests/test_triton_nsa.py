@@ -381,12 +381,15 @@ def test_hopper_compression_walks_every_seen_key_and_masks_only_partly_seen_step
     assert (np.asarray(keys.sees(q_pos, k_pos)) == (k_pos * stride + block - 1 <= q_pos)).all()
     assert (sees.sum(1) == np.asarray(layout.seen_compressed(jnp.arange(seq_len), block, stride))).all()
     assert keys.empty_rows and not sees[: block - 1].any()
-    walk = module._Rows.one_head()
+    walk = module._Rows.one_head(halves=True)
     for tile_first in range(0, padded, 2 * rows):
         tile_rows = sees[tile_first : tile_first + 2 * rows]
-        first_key, whole, steps = (int(x) for x in module._item_walk(keys, walk, None, 0, jnp.int32(tile_first)))
+        first_key, whole, steps, short = (int(x) for x in module._item_walk(keys, walk, None, 0, jnp.int32(tile_first)))
         assert first_key == 0 and steps <= walk.most_steps(keys)
-        assert tile_rows.sum() == tile_rows[:, : steps * step].sum()
+        walked = steps * step - short * step // 2  # a last step of half the keys where short
+        assert tile_rows.sum() == tile_rows[:, :walked].sum()
+        seen_keys = tile_rows.any(axis=0).nonzero()[0].max(initial=-1) + 1
+        assert short == (steps > 0 and seen_keys <= whole * step + step // 2), tile_first
         for first_row in range(tile_first, min(tile_first + 2 * rows, seq_len), rows):
             lower, upper = (int(x) for x in keys.unmasked(None, 0, jnp.int32(first_row), None, 0, whole, step))
             assert lower == 0 and upper <= whole

@@ -429,7 +429,9 @@ def test_hopper_forward_walks_cover_what_their_rows_see(window, group):
             return (max(start, token - window + 1) if visibility.bounded else start), token
 
         for tile_first in range(0, seq_len, 2 * rows.tokens):
-            first_key, whole, steps = map(int, module._item_walk(visibility, rows, starts, 0, jnp.int32(tile_first)))
+            first_key, whole, steps, short = map(int, module._item_walk(visibility, rows, starts, 0,
+                                                                         jnp.int32(tile_first)))
+            assert not short  # rows.halves: the compression's only
             end_key = first_key + whole * block + (rows.last_step if steps else 0)
             assert first_key % module.HOPPER_ROW_MULTIPLE == 0 and steps <= most_steps
             for member in range(2):
