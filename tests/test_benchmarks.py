@@ -47,3 +47,26 @@ def test_bench_gpu_times_every_nsa_dsl_row(tmp_path):
         for mode in ("fwd", "fwdbwd"):
             assert row[mode].get("ms", 0) > 0, (row["case"], row["seq_len"], mode, row[mode])
     assert result["coldstart"] and all(entry["warm_s"] > 0 for entry in result["coldstart"])
+
+
+def test_ncu_stall_groups_sums_each_kernels_samples_by_execution_count(tmp_path):
+    """Two kernels' source pages, as ncu writes them: each kernel's samples summed per execution
+    count (a class that mixes kernels or drops a row would print other totals)."""
+    header = ('"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed",'
+              '"stall_long_sb","stall_wait","stall_long_sb (Not Issued)"\n')
+    rows = {"first": [("0x10", "HGMMA", 7, 800, 1, 6), ("0x20", "BRA", 5, 800, 4, 1), ("0x30", "STS", 3, 100, 0, 3)],
+            "second": [("0x40", "BAR.SYNC", 11, 100, 9, 2), ("0x50", "FMUL", 2, 400, 0, 2)]}
+    text = "".join(f'"Kernel Name","{name}",\n' + header + "".join(
+        f'"{a}","      {s}","{n}","{e:,}","{lsb}","{w}","0"\n' for a, s, n, e, lsb, w in kernel_rows)
+        for name, kernel_rows in rows.items())
+    (tmp_path / "sass.csv").write_text(text)
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "ncu_stall_groups.py"), str(tmp_path / "sass.csv")],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    first, second = result.stdout.split("kernel 1 ")
+    assert "kernel 0 first: 3 instructions, 15 samples" in first
+    assert "executed        800:     2 instructions,       12 samples" in first
+    assert "executed        100:     1 instructions,        3 samples" in first
+    assert second.startswith("second: 2 instructions, 13 samples")
+    assert "executed        100:     1 instructions,       11 samples" in second
+    assert "long_sb,wait" in second and "BAR.SYNC" in second
