@@ -357,9 +357,12 @@ def test_backward_traces_no_scatter(rng, platform):
 COMPRESSION_ONLY = "pattern p\nblock 64\ncausal\nbranch cmp = compress(block={}, stride={}) gate g_cmp\n"
 
 
-def compression_module(block, stride):
-    attn = nsa_dsl.compile(COMPRESSION_ONLY.format(block, stride))
+def compression_module(block, stride, topk=""):
+    attn = nsa_dsl.compile(COMPRESSION_ONLY.format(block, stride) + topk)
     return codegen.load_module("triton", attn.plan, for_device(attn.config))
+
+
+TOPK = "branch slc = topk(4, block=64, score=cmp, force=local(1)) gate g_slc\n"
 
 
 @pytest.mark.parametrize("block, stride, seq_len", [(64, 64, 1024), (32, 16, 1000), (256, 64, 1024), (64, 32, 8),
@@ -445,3 +448,114 @@ def test_hopper_compression_forward(rng, monkeypatch, block, stride, batch, seq_
     check_against_reference(rng, source, spec, batch=batch, seq_len=seq_len, heads_q=heads_q, heads_kv=heads_kv,
                             head_dim=head_dim, dtype=np.float16, gates=("cmp", "slc"))
     assert calls, "the compression's forward did not run on Hopper"
+
+
+# ---- the top-k's group mass on Hopper (templates/triton/hopper_topk.py.j2) --------------------
+
+
+def group_mass_in_numpy(spec, q, k_cmp, lse, scale, tokens):
+    """hopper_group_mass's result in float64, written from its docstring: per KV group, item of
+    `tokens` query rows and compressed key, the summed mass of each row that sees the key, NaN
+    where the row does not."""
+    cmp = spec.compression
+    q, k_cmp, lse = (np.asarray(x, np.float64) for x in (q, k_cmp, lse))
+    batch, items = q.shape[0] // cmp.seq_len, -(-cmp.seq_len // tokens)
+    mass = np.full((batch, items * tokens, cmp.heads_kv, mass_width(cmp)), np.nan)
+    for n in range(q.shape[0]):
+        scores, seen = scores_in_numpy(spec, q, k_cmp, scale, n)
+        summed = np.exp2(scores - lse[n, :, None]).reshape(cmp.heads_kv, cmp.group, seen).sum(1)
+        mass[n // cmp.seq_len, n % cmp.seq_len, :, :seen] = summed
+    mass = mass.reshape(batch, items, tokens, cmp.heads_kv, -1).transpose(0, 3, 1, 4, 2)
+    return mass.reshape(batch * cmp.heads_kv * items, -1, tokens)
+
+
+def compressed_count(cmp):
+    """A sequence's compressed keys (layout.compressed_offsets)."""
+    return (cmp.seq_len - cmp.block) // cmp.stride + 1 if cmp.seq_len >= cmp.block else 0
+
+
+def mass_width(cmp, step=128):
+    """hopper_group_mass's keys a row: whole steps of its HOPPER_BLOCK_KV keys."""
+    return -(-max(compressed_count(cmp), 1) // step) * step
+
+
+def scores_in_numpy(spec, q, k_cmp, scale, row):
+    """([HQ, seen] base-2 scores of query row `row` against the compressed keys it sees, seen)."""
+    cmp = spec.compression
+    count = compressed_count(cmp)
+    batch_row, pos = divmod(row, cmp.seq_len)
+    seen = (pos - cmp.block + 1) // cmp.stride + 1 if pos >= cmp.block - 1 else 0
+    keys = np.asarray(k_cmp[batch_row * count : batch_row * count + seen], np.float64)
+    keys = keys[:, np.arange(q.shape[1]) // cmp.group]  # [seen, HQ, D]
+    scores = np.einsum("hd,khd->hk", np.asarray(q[row], np.float64), keys)
+    return scores * float(np.asarray(scale).reshape(-1)[0]) * np.log2(np.e), seen
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_topk_ranks_a_given_group_mass(rng, monkeypatch, dtype):
+    """Where hopper_group_mass applies (a Hopper GPU), topk_selection only ranks the mass it is
+    given: here the float64 mass of its docstring, NaN on every key a row does not see (reading one
+    would corrupt that row's ranking: the own block, unforced here, overlaps keys the row does not
+    see yet). Two batch rows, group 4, overlapping compressed keys."""
+    source = ("pattern p\nblock 16\nbranch cmp = compress(block=16, stride=8) gate g_cmp\n"
+              "branch slc = topk(3, block=16, score=cmp, force=global(first=1)) gate g_slc\n")
+    spec = NsaSpec(compress_block=16, compress_stride=8, select_count=3, select_block=16, forced=FORCE_FIRST[1])
+    attn = nsa_dsl.compile(source)
+    module = codegen.load_module("triton", attn.plan, for_device(attn.config))
+    monkeypatch.setattr(module, "hopper_mass_applies", lambda spec, q, k_cmp: spec.compression.seq_len > 0)
+
+    def given_mass(spec, q, k_cmp, lse, scale):
+        cmp, tokens = spec.compression, module.hopper_mass_tokens(spec)
+        items = q.shape[0] // cmp.seq_len * cmp.heads_kv * -(-cmp.seq_len // tokens)
+        shape = jax.ShapeDtypeStruct((items, mass_width(cmp), tokens), jnp.float32)
+        return jax.pure_callback(lambda *args: group_mass_in_numpy(spec, *args, tokens).astype(np.float32), shape,
+                                 q, k_cmp, lse, scale)
+
+    calls = record_calls(monkeypatch, module, "hopper_mass_applies")
+    monkeypatch.setattr(module, "hopper_group_mass", given_mass)
+    check_against_reference(rng, source, spec, batch=2, seq_len=56, heads_q=8, heads_kv=2, head_dim=32, dtype=dtype,
+                            gates=("cmp", "slc"), gradients=False)
+    assert calls
+
+
+def test_hopper_group_mass_lowers_for_cuda():
+    """Lowered for CUDA on the CPU (a Hopper GPU runs it: test_hopper_group_mass)."""
+    pytest.importorskip("absl")  # Mosaic GPU's lowering logs through absl
+    module = compression_module(64, 64, TOPK)
+    for batch, seq_len, heads_kv, group, head_dim, dtype, block, stride in (
+            (1, 1024, 4, 16, 128, jnp.bfloat16, 64, 64), (2, 1000, 2, 8, 64, jnp.float16, 32, 16),
+            (1, 200, 3, 16, 64, jnp.bfloat16, 64, 64)):
+        spec = module.TopK(16, 64, 1, module.Compression(block, stride, heads_kv, group, head_dim, 0, seq_len))
+        q = jax.ShapeDtypeStruct((batch * seq_len, heads_kv * group, head_dim), dtype)
+        k_cmp = jax.ShapeDtypeStruct((batch * ((seq_len - block) // stride + 1), heads_kv, head_dim), dtype)
+        lse = jax.ShapeDtypeStruct((batch * seq_len, heads_kv * group), jnp.float32)
+        scale = jax.ShapeDtypeStruct((1,), jnp.float32)
+        mass = jax.jit(lambda q, k, lse, scale: module.hopper_group_mass(spec, q, k, lse, scale))
+        assert "mosaic_gpu" in lower_for_cuda(mass, q, k_cmp, lse, scale).as_text()
+
+
+@pytest.mark.skipif(not triton_glue.on_hopper(), reason="Mosaic GPU kernels: a Hopper GPU only")
+@pytest.mark.parametrize("block, stride, batch, seq_len, heads_kv, group, head_dim, dtype", [
+    (64, 64, 1, 4096, 2, 16, 128, jnp.bfloat16),  # NSA's l = d = l': a last tile of one token's keys
+    (32, 16, 2, 1000, 1, 8, 64, jnp.float16),  # overlapping keys, two batch rows of a ragged length
+    (64, 64, 1, 200, 3, 16, 64, jnp.bfloat16),  # rows before the first key see none; items of no step
+])
+def test_hopper_group_mass(rng, block, stride, batch, seq_len, heads_kv, group, head_dim, dtype):
+    """The Mosaic GPU kernel's mass against the float64 one of its docstring, on every key each row
+    sees (the lse: the reference's compression attention's, so each row's masses sum to 1 per head)."""
+    module = compression_module(block, stride, TOPK)
+    spec = module.TopK(16, 64, 1, module.Compression(block, stride, heads_kv, group, head_dim, 0, seq_len))
+    heads_q = heads_kv * group
+    q = (rng.standard_normal((batch * seq_len, heads_q, head_dim)) * 2).astype(dtype)
+    k_cmp = rng.standard_normal((batch * compressed_count(spec.compression), heads_kv, head_dim)).astype(dtype)
+    scale = np.asarray([head_dim**-0.5], np.float32)
+    lse = np.full((batch * seq_len, heads_q), -np.inf)  # a row that sees no key: -inf
+    for n in range(batch * seq_len):
+        scores, seen = scores_in_numpy(spec, q, k_cmp, scale, n)
+        if seen:
+            lse[n] = np.log2(np.exp2(scores - scores.max(1, keepdims=True)).sum(1)) + scores.max(1)
+    want = group_mass_in_numpy(spec, q, k_cmp, lse, scale, module.hopper_mass_tokens(spec))
+    got = np.asarray(jax.jit(lambda *a: module.hopper_group_mass(spec, *a))(q, k_cmp, lse.astype(np.float32), scale))
+    seen = ~np.isnan(want)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got[seen], want[seen], rtol=2e-3, atol=1e-6)

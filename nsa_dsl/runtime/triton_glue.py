@@ -39,7 +39,7 @@ def on_gpu() -> bool:
 
 def on_hopper() -> bool:
     """Whether the GPU is a Hopper (sm_90) that can run the Mosaic GPU kernels of the GPU module
-    (templates/triton/hopper_window.py.j2), unless NSA_DSL_HOPPER=0 (read when a pattern's
+    (templates/triton/hopper_window.py.j2, hopper_topk.py.j2), unless NSA_DSL_HOPPER=0 (read when a pattern's
     kernels are traced)."""
     return os.environ.get("NSA_DSL_HOPPER") != "0" and _compute_capability() == "9.0" and _mosaic_gpu_importable()
 
