@@ -518,6 +518,24 @@ def test_topk_ranks_a_given_group_mass(rng, monkeypatch, dtype):
     assert calls
 
 
+def test_hopper_group_mass_applies_where_its_mass_fits(monkeypatch):
+    """The mass grows with the square of the sequence: past HOPPER_MASS_SHARE of the device's memory
+    (here a device of 1 GiB) the top-k scores in Triton; so do groups of other sizes than 8 and 16."""
+    module = compression_module(64, 64, TOPK)
+    monkeypatch.setattr(triton_glue, "on_hopper", lambda: True)
+    monkeypatch.setattr(triton_glue, "_device_memory_bytes", lambda: 1 << 30)
+
+    def applies(seq_len, group=16, heads_kv=4):
+        spec = module.TopK(16, 64, 1, module.Compression(64, 64, heads_kv, group, 128, 0, seq_len))
+        q = jax.ShapeDtypeStruct((seq_len, heads_kv * group, 128), jnp.bfloat16)
+        k_cmp = jax.ShapeDtypeStruct((seq_len // 64, heads_kv, 128), jnp.bfloat16)
+        return module.hopper_mass_applies(spec, q, k_cmp)
+
+    # 4 KV heads: 16k tokens' mass is 64 MiB (1/16 of the device: 64 MiB), 32k tokens' 256 MiB
+    assert applies(16384) and not applies(32768) and applies(32768, heads_kv=1)
+    assert applies(4096, group=8) and not applies(4096, group=4) and not applies(4096, group=32)
+
+
 def test_hopper_group_mass_lowers_for_cuda():
     """Lowered for CUDA on the CPU (a Hopper GPU runs it: test_hopper_group_mass)."""
     pytest.importorskip("absl")  # Mosaic GPU's lowering logs through absl
