@@ -545,7 +545,7 @@ def test_hopper_group_mass_lowers_for_cuda():
             (1, 200, 3, 16, 64, jnp.bfloat16, 64, 64)):
         spec = module.TopK(16, 64, 1, module.Compression(block, stride, heads_kv, group, head_dim, 0, seq_len))
         q = jax.ShapeDtypeStruct((batch * seq_len, heads_kv * group, head_dim), dtype)
-        k_cmp = jax.ShapeDtypeStruct((batch * ((seq_len - block) // stride + 1), heads_kv, head_dim), dtype)
+        k_cmp = jax.ShapeDtypeStruct((batch * compressed_count(spec.compression), heads_kv, head_dim), dtype)
         lse = jax.ShapeDtypeStruct((batch * seq_len, heads_kv * group), jnp.float32)
         scale = jax.ShapeDtypeStruct((1,), jnp.float32)
         mass = jax.jit(lambda q, k, lse, scale: module.hopper_group_mass(spec, q, k, lse, scale))
