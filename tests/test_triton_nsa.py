@@ -454,19 +454,18 @@ def test_hopper_compression_forward(rng, monkeypatch, block, stride, batch, seq_
 
 
 def group_mass_in_numpy(spec, q, k_cmp, lse, scale, tokens):
-    """hopper_group_mass's result in float64, written from its docstring: per KV group, item of
-    `tokens` query rows and compressed key, the summed mass of each row that sees the key, NaN
-    where the row does not."""
+    """hopper_group_mass's result in float64, written from its docstring: per batch row, KV group,
+    query row (the sequence rounded up to whole items of `tokens` rows) and compressed key, the
+    row's summed mass on the key, NaN where the row does not see it."""
     cmp = spec.compression
     q, k_cmp, lse = (np.asarray(x, np.float64) for x in (q, k_cmp, lse))
-    batch, items = q.shape[0] // cmp.seq_len, -(-cmp.seq_len // tokens)
-    mass = np.full((batch, items * tokens, cmp.heads_kv, mass_width(cmp)), np.nan)
+    batch, rows = q.shape[0] // cmp.seq_len, -(-cmp.seq_len // tokens) * tokens
+    mass = np.full((batch, rows, cmp.heads_kv, mass_width(cmp)), np.nan)
     for n in range(q.shape[0]):
         scores, seen = scores_in_numpy(spec, q, k_cmp, scale, n)
         summed = np.exp2(scores - lse[n, :, None]).reshape(cmp.heads_kv, cmp.group, seen).sum(1)
         mass[n // cmp.seq_len, n % cmp.seq_len, :, :seen] = summed
-    mass = mass.reshape(batch, items, tokens, cmp.heads_kv, -1).transpose(0, 3, 1, 4, 2)
-    return mass.reshape(batch * cmp.heads_kv * items, -1, tokens)
+    return mass.transpose(0, 2, 1, 3).reshape(batch * cmp.heads_kv, rows, -1)
 
 
 def compressed_count(cmp):
@@ -506,8 +505,8 @@ def test_topk_ranks_a_given_group_mass(rng, monkeypatch, dtype):
 
     def given_mass(spec, q, k_cmp, lse, scale):
         cmp, tokens = spec.compression, module.hopper_mass_tokens(spec)
-        items = q.shape[0] // cmp.seq_len * cmp.heads_kv * -(-cmp.seq_len // tokens)
-        shape = jax.ShapeDtypeStruct((items, mass_width(cmp), tokens), jnp.float32)
+        rows = -(-cmp.seq_len // tokens) * tokens
+        shape = jax.ShapeDtypeStruct((q.shape[0] // cmp.seq_len * cmp.heads_kv, rows, mass_width(cmp)), jnp.float32)
         return jax.pure_callback(lambda *args: group_mass_in_numpy(spec, *args, tokens).astype(np.float32), shape,
                                  q, k_cmp, lse, scale)
 
