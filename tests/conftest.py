@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import zlib
 
@@ -99,6 +100,35 @@ def lower_for_cuda(jitted, *args):
     target = jax.sharding.AbstractDevice("NVIDIA H200", None, "gpu")
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("lowering",), abstract_device=target)):
         return jitted.trace(*args).lower(lowering_platforms=("cuda",))
+
+
+@pytest.fixture
+def mosaic_gpu_interpreter(monkeypatch):
+    """A context manager under which the Mosaic GPU kernels traced run on the CPU in Mosaic GPU's
+    interpreter, with its race detector: it simulates the warpgroups, their barriers and TMA copies
+    (the generic and the async proxies apart), and it rejects a barrier left with completed phases
+    its waiters never saw. A race it reports (logged) fails the test. Persistent kernels get 2 CTAs.
+    jax 0.10's interpreter fails on plgpu.load (an assertion in its abstract evaluation), so the
+    fixture skips there; jax 0.11 runs it."""
+    pytest.importorskip("absl")  # Mosaic GPU's lowering logs through absl
+    if jax.__version_info__ < (0, 11):
+        pytest.skip("Mosaic GPU's interpreter runs these kernels from jax 0.11 on")
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as interpreter
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from nsa_dsl.runtime import triton_glue
+
+    monkeypatch.setattr(triton_glue, "multiprocessors", lambda: 2)
+    interpreter.reset_gpu_interpret_mode_state()
+
+    @contextlib.contextmanager
+    def interpreted():
+        with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=True)):
+            yield
+        assert not interpreter.get_races().races_found, "Mosaic GPU's interpreter found a race (logged above)"
+
+    yield interpreted
+    interpreter.reset_gpu_interpret_mode_state()
 
 
 @pytest.fixture

@@ -551,15 +551,9 @@ def test_hopper_group_mass_lowers_for_cuda():
         assert "mosaic_gpu" in lower_for_cuda(mass, q, k_cmp, lse, scale).as_text()
 
 
-@pytest.mark.skipif(not triton_glue.on_hopper(), reason="Mosaic GPU kernels: a Hopper GPU only")
-@pytest.mark.parametrize("block, stride, batch, seq_len, heads_kv, group, head_dim, dtype", [
-    (64, 64, 1, 4096, 2, 16, 128, jnp.bfloat16),  # NSA's l = d = l': a last tile of one token's keys
-    (32, 16, 2, 1000, 1, 8, 64, jnp.float16),  # overlapping keys, two batch rows of a ragged length
-    (64, 64, 1, 200, 3, 16, 64, jnp.bfloat16),  # rows before the first key see none; items of no step
-])
-def test_hopper_group_mass(rng, block, stride, batch, seq_len, heads_kv, group, head_dim, dtype):
-    """The Mosaic GPU kernel's mass against the float64 one of its docstring, on every key each row
-    sees (the lse: the reference's compression attention's, so each row's masses sum to 1 per head)."""
+def check_hopper_group_mass(rng, block, stride, batch, seq_len, heads_kv, group, head_dim, dtype):
+    """hopper_group_mass against the float64 mass of its docstring, on every key each row sees (the
+    lse: the reference's compression attention's, so each row's masses sum to 1 per head)."""
     module = compression_module(block, stride, TOPK)
     spec = module.TopK(16, 64, 1, module.Compression(block, stride, heads_kv, group, head_dim, 0, seq_len))
     heads_q = heads_kv * group
@@ -576,3 +570,25 @@ def test_hopper_group_mass(rng, block, stride, batch, seq_len, heads_kv, group, 
     seen = ~np.isnan(want)
     assert got.shape == want.shape
     np.testing.assert_allclose(got[seen], want[seen], rtol=2e-3, atol=1e-6)
+
+
+@pytest.mark.skipif(not triton_glue.on_hopper(), reason="Mosaic GPU kernels: a Hopper GPU only")
+@pytest.mark.parametrize("block, stride, batch, seq_len, heads_kv, group, head_dim, dtype", [
+    (64, 64, 1, 4096, 2, 16, 128, jnp.bfloat16),  # NSA's l = d = l': a last tile of one token's keys
+    (32, 16, 2, 1000, 1, 8, 64, jnp.float16),  # overlapping keys, two batch rows of a ragged length
+    (64, 64, 1, 200, 3, 16, 64, jnp.bfloat16),  # rows before the first key see none; items of no step
+])
+def test_hopper_group_mass(rng, block, stride, batch, seq_len, heads_kv, group, head_dim, dtype):
+    check_hopper_group_mass(rng, block, stride, batch, seq_len, heads_kv, group, head_dim, dtype)
+
+
+@pytest.mark.parametrize("block, stride, batch, seq_len, heads_kv, group, head_dim, dtype", [
+    (64, 64, 1, 512, 1, 16, 64, jnp.bfloat16),  # 8 items of no step first (their proxy fence)
+    (32, 16, 2, 200, 1, 8, 64, jnp.float16),  # overlapping keys, two batch rows
+])
+def test_hopper_group_mass_interpreted(rng, mosaic_gpu_interpreter, block, stride, batch, seq_len, heads_kv, group,
+                                       head_dim, dtype):
+    """The same on the CPU, in Mosaic GPU's interpreter: its warpgroups' barriers, TMA copies and
+    shared memory without races (two CTAs, so that each walks several items through the ring)."""
+    with mosaic_gpu_interpreter():
+        check_hopper_group_mass(rng, block, stride, batch, seq_len, heads_kv, group, head_dim, dtype)
