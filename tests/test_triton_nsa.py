@@ -365,16 +365,19 @@ def compression_module(block, stride, topk=""):
 TOPK = "branch slc = topk(4, block=64, score=cmp, force=local(1)) gate g_slc\n"
 
 
+@pytest.mark.parametrize("heads", [1, 16])
 @pytest.mark.parametrize("block, stride, seq_len", [(64, 64, 1024), (32, 16, 1000), (256, 64, 1024), (64, 32, 8),
                                                     (16, 16, 4096), (200, 8, 2000)])
-def test_hopper_compression_walks_every_seen_key_and_masks_only_partly_seen_steps(block, stride, seq_len):
+def test_hopper_compression_walks_every_seen_key_and_masks_only_partly_seen_steps(block, stride, seq_len, heads):
     """The Hopper forward's schedule of compressed keys, which CI cannot run: each query tile walks
     every key its rows see (no step past the bound that sizes its buffers), the steps it runs
     without a mask hold only keys every row of the warpgroup sees, and the mask on the others is
-    layout.seen_compressed's prefix; rows before the first key's last token see none."""
+    layout.seen_compressed's prefix; rows before the first key's last token see none. Rows of one
+    head (hopper_compression_forward) or of a KV group's 16 heads, 4 tokens a warpgroup
+    (hopper_window_and_compression_forward)."""
     module = compression_module(block, stride)
     keys = module._CompressedKeys(block, stride, seq_len)
-    rows, step = module.HOPPER_BLOCK_Q, module.HOPPER_BLOCK_KV
+    rows, step = module.HOPPER_BLOCK_Q // heads, module.HOPPER_BLOCK_KV
     padded = -(-seq_len // (2 * rows)) * 2 * rows
     count = int(np.asarray(layout.compressed_offsets(jnp.asarray([0, seq_len], jnp.int32), block, stride))[1])
     assert keys.count == count
@@ -384,7 +387,7 @@ def test_hopper_compression_walks_every_seen_key_and_masks_only_partly_seen_step
     assert (np.asarray(keys.sees(q_pos, k_pos)) == (k_pos * stride + block - 1 <= q_pos)).all()
     assert (sees.sum(1) == np.asarray(layout.seen_compressed(jnp.arange(seq_len), block, stride))).all()
     assert keys.empty_rows and not sees[: block - 1].any()
-    walk = module._Rows.one_head(halves=True)
+    walk = module._Rows(heads, step, halves=True)
     for tile_first in range(0, padded, 2 * rows):
         tile_rows = sees[tile_first : tile_first + 2 * rows]
         first_key, whole, steps, short = (int(x) for x in module._item_walk(keys, walk, None, 0, jnp.int32(tile_first)))
@@ -448,6 +451,135 @@ def test_hopper_compression_forward(rng, monkeypatch, block, stride, batch, seq_
     check_against_reference(rng, source, spec, batch=batch, seq_len=seq_len, heads_q=heads_q, heads_kv=heads_kv,
                             head_dim=head_dim, dtype=np.float16, gates=("cmp", "slc"))
     assert calls, "the compression's forward did not run on Hopper"
+
+
+# ---- the window and the compression in one Hopper forward (templates/triton/hopper_window.py.j2) --
+
+WINDOW_AND_COMPRESSION = ("pattern p\nblock 64\ncausal\nbranch cmp = compress(block={}, stride={}) gate g_cmp\n"
+                          "branch swa = window({}) gate g_swa\n")
+
+
+def window_and_compression(block, stride, window, seq_len, heads_kv, group, head_dim, packed=False):
+    """The generated module of a compression and a window, and the specs of its window launch and of
+    its compression."""
+    attn = nsa_dsl.compile(WINDOW_AND_COMPRESSION.format(block, stride, window))
+    module = codegen.load_module("triton", attn.plan, for_device(attn.config))
+    window_spec = module.Static(module.static_kernels_swa, heads_kv, group, head_dim, packed, seq_len=seq_len)
+    return module, window_spec, module.Compression(block, stride, heads_kv, group, head_dim, 0, seq_len)
+
+
+def test_hopper_window_and_compression_apply_where_a_kv_groups_heads_share_rows(monkeypatch):
+    monkeypatch.setattr(triton_glue, "on_hopper", lambda: True)
+
+    def applies(window=512, seq_len=1024, heads_kv=2, group=16, head_dim=128, dtype=jnp.bfloat16, packed=False,
+                compression_rows=None):
+        module, window_spec, compression_spec = window_and_compression(64, 64, window, seq_len, heads_kv, group,
+                                                                       head_dim, packed)
+        compression_spec = compression_spec._replace(seq_len=compression_rows or seq_len)
+        q = jax.ShapeDtypeStruct((seq_len, heads_kv * group, head_dim), dtype)
+        k_cmp = jax.ShapeDtypeStruct((seq_len // 64, heads_kv, head_dim), dtype)
+        return module.hopper_window_and_compression_applies(window_spec, compression_spec, q, k_cmp)
+
+    assert applies() and applies(window=100, group=8, head_dim=64, dtype=jnp.float16) and applies(group=32)
+    assert not applies(group=4)  # one head a row tile: the compression's walks would not share rows
+    assert not applies(window=2**31 - 1)  # causal: unbounded, one head a row tile
+    assert not applies(packed=True) and not applies(dtype=jnp.float32) and not applies(head_dim=96)
+    assert not applies(compression_rows=2048) and not applies(seq_len=1004)
+
+
+@pytest.mark.parametrize("block, stride, window", [(64, 64, 512), (32, 16, 200)])
+def test_hopper_window_and_compression_forward_lowers_for_cuda(block, stride, window):
+    """Lowered for CUDA on the CPU (test_hopper_kernels_lower_for_cuda says why it does not run
+    here); test_hopper_window_and_compression_forward runs it on a GPU."""
+    pytest.importorskip("absl")  # Mosaic GPU's lowering logs through absl
+    for batch, seq_len, heads_kv, group, head_dim, dtype in ((1, 1024, 2, 16, 128, jnp.bfloat16),
+                                                             (3, 1000, 1, 8, 64, jnp.float16)):
+        module, window_spec, compression_spec = window_and_compression(block, stride, window, seq_len, heads_kv,
+                                                                       group, head_dim)
+        q = jax.ShapeDtypeStruct((batch * seq_len, heads_kv * group, head_dim), dtype)
+        k = jax.ShapeDtypeStruct((batch * seq_len, heads_kv, head_dim), dtype)
+        k_cmp = jax.ShapeDtypeStruct((batch * compressed_count(compression_spec), heads_kv, head_dim), dtype)
+        gates = jax.ShapeDtypeStruct(q.shape[:2], jnp.float32)
+        scale = jax.ShapeDtypeStruct((1,), jnp.float32)
+        forward = jax.jit(lambda *args: module.hopper_window_and_compression_forward(window_spec, compression_spec,
+                                                                                       *args))
+        assert "mosaic_gpu" in lower_for_cuda(forward, q, k, k, k_cmp, k_cmp, scale, gates, gates).as_text()
+
+
+def attention_in_numpy(q, k, v, sees, scale):
+    """Softmax attention in float64 of q [T, HQ, D] against k, v [S, HKV, D] (GQA: query head h
+    reads KV head h // (HQ / HKV)), where sees [T, S] says which keys each query row sees: out
+    [T, HQ, D] (zeros for a row that sees none) and the lse [T, HQ] in base 2 (-inf for it)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = (np.repeat(x.astype(np.float64), group, axis=1) for x in (k, v))
+    scores = np.einsum("thd,shd->hts", q.astype(np.float64), k) * float(scale)
+    scores = np.where(sees[None], scores, -np.inf)
+    top = np.max(scores, axis=-1, keepdims=True)
+    weights = np.exp(scores - np.where(np.isfinite(top), top, 0.0))
+    total = weights.sum(-1, keepdims=True)
+    out = np.einsum("hts,shd->thd", weights / np.where(total > 0, total, 1.0), v)
+    with np.errstate(divide="ignore"):
+        lse = (np.log(total[..., 0]) + top[..., 0]) / np.log(2.0)
+    return out, lse.T
+
+
+@pytest.mark.skipif(not triton_glue.on_hopper(), reason="Mosaic GPU kernels: a Hopper GPU only")
+@pytest.mark.parametrize("block, stride, window, batch, seq_len, heads_kv, group, head_dim, dtype", [
+    (64, 64, 512, 1, 1024, 2, 16, 128, jnp.bfloat16),  # NSA's l = d = l' and window: 5 + up to 9 steps
+    (32, 16, 200, 2, 1000, 1, 8, 64, jnp.float16),  # overlapping keys, two batch rows of a ragged length
+    (256, 64, 40, 1, 1536, 1, 32, 64, jnp.bfloat16),  # rows before the first key see none; long walks
+])
+def test_hopper_window_and_compression_forward(rng, block, stride, window, batch, seq_len, heads_kv, group, head_dim,
+                                               dtype):
+    """The gated sum of the window's and the compression's attention, and the compression's lse,
+    against float64 on fresh random inputs and gates."""
+    module, window_spec, compression_spec = window_and_compression(block, stride, window, seq_len, heads_kv, group,
+                                                                   head_dim)
+    heads_q, count = heads_kv * group, compressed_count(compression_spec)
+    q = (rng.standard_normal((batch * seq_len, heads_q, head_dim)) * 2).astype(dtype)
+    k, v = (rng.standard_normal((batch * seq_len, heads_kv, head_dim)).astype(dtype) for _ in range(2))
+    k_cmp, v_cmp = (rng.standard_normal((batch * count, heads_kv, head_dim)).astype(dtype) for _ in range(2))
+    gates = rng.uniform(-1.0, 1.5, (2, batch * seq_len, heads_q)).astype(np.float32)
+    scale = np.asarray([head_dim**-0.5], np.float32)
+    assert module.hopper_window_and_compression_applies(window_spec, compression_spec, q, k_cmp)
+    forward = jax.jit(lambda *a: module.hopper_window_and_compression_forward(window_spec, compression_spec, *a))
+    out, lse = (np.asarray(x, np.float64) for x in forward(q, k, v, k_cmp, v_cmp, scale, *gates))
+    t = np.arange(seq_len)[:, None]
+    window_sees = (t >= np.arange(seq_len)[None]) & (t - np.arange(seq_len)[None] < window)
+    compression_sees = np.arange(count)[None] * stride + block - 1 <= t
+    for b in range(batch):
+        rows, compressed = slice(b * seq_len, (b + 1) * seq_len), slice(b * count, (b + 1) * count)
+        window_out, _ = attention_in_numpy(q[rows], k[rows], v[rows], window_sees, scale[0])
+        compression_out, want_lse = attention_in_numpy(q[rows], k_cmp[compressed], v_cmp[compressed],
+                                                       compression_sees, scale[0])
+        want = gates[0, rows, :, None] * window_out + gates[1, rows, :, None] * compression_out
+        assert_close(out[rows], want, 1e-2, f"gated sum, batch row {b}")
+        np.testing.assert_array_equal(np.isinf(lse[rows]), np.isinf(want_lse))
+        seen = np.isfinite(want_lse)
+        np.testing.assert_allclose(lse[rows][seen], want_lse[seen], rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.skipif(not triton_glue.on_hopper(), reason="Mosaic GPU kernels: a Hopper GPU only")
+@pytest.mark.parametrize("block, stride, window, seq_len, heads_q, heads_kv, head_dim", [
+    (64, 64, 512, 1024, 32, 2, 128),  # NSA's setting: l = d = l', a window of 512, groups of 16
+    (32, 16, 100, 1000, 8, 1, 64),  # overlapping keys, a ragged length, a group of 8
+])
+def test_nsa_runs_its_window_and_compression_in_one_hopper_forward(rng, monkeypatch, block, stride, window, seq_len,
+                                                                  heads_q, heads_kv, head_dim):
+    """A pattern's compression and window: not differentiated, one Hopper forward's gated term
+    (window_and_compression); differentiated, apart. Selections, output and gradients against the
+    float64 reference."""
+    source = (f"pattern p\nblock 64\ncausal\nbranch cmp = compress(block={block}, stride={stride}) gate g_cmp\n"
+              "branch slc = topk(4, block=64, score=cmp, force=local(1)) gate g_slc\n"
+              f"branch swa = window({window}) gate g_swa\n")
+    spec = NsaSpec(compress_block=block, compress_stride=stride, select_count=4, select_block=64,
+                   forced=lambda qb, kb: kb == qb, window=window)
+    attn = nsa_dsl.compile(source)
+    module = codegen.load_module("triton", attn.plan, for_device(attn.config))
+    calls = record_calls(monkeypatch, module, "hopper_window_and_compression_forward")
+    check_against_reference(rng, source, spec, batch=1, seq_len=seq_len, heads_q=heads_q, heads_kv=heads_kv,
+                            head_dim=head_dim, dtype=np.float16)
+    assert calls, "the window and the compression did not run in one Hopper forward"
 
 
 # ---- the top-k's group mass on Hopper (templates/triton/hopper_topk.py.j2) --------------------
