@@ -649,6 +649,69 @@ def test_topk_ranks_a_given_group_mass(rng, monkeypatch, dtype):
     assert calls
 
 
+def ranked_in_numpy(mass, seq_len, block, count):
+    """Each (token, KV head)'s selection of topk(count, block=l', force=local(1)) scored by compress(
+    block=l', stride=l') from a given mass [HKV, rows, width]: its own block first, then the blocks it
+    may take (up to its own) by their mass on the keys it sees (zero on the others), ties to the
+    lower id; -1 unused."""
+    heads_kv = mass.shape[0]
+    chosen = np.full((seq_len, heads_kv, count), -1)
+    for pos in range(seq_len):
+        own, seen = pos // block, (pos + 1) // block
+        for head in range(heads_kv):
+            importance = np.where(np.arange(own + 1) < seen, mass[head, pos, :own + 1], 0.0)
+            others = [j for _, j in sorted((-importance[j], j) for j in range(own))][:count - 1]
+            picks = [own, *others]
+            chosen[pos, head, :len(picks)] = picks
+    return chosen
+
+
+@pytest.mark.parametrize("kind", ["independent", "drifting", "best run", "tied"])
+def test_topk_shortlists_rank_a_given_mass(rng, monkeypatch, kind):
+    """topk_selection ranks a given mass (hopper_group_mass's, which CI cannot run) from each row's
+    shortlist of the candidates at or above its threshold, and a tile whose shortlists overflow (tied
+    masses: every candidate reaches the threshold) by its chunk networks; both against numpy, over
+    walks of up to three chunks (l = d = l' = 16 and steps of 16 keys: 33 blocks, 16 a chunk), two KV
+    heads, and rows before their 4th block (fewer candidates than picks)."""
+    config = nsa_dsl.NativeSparseAttentionConfig(block_k=16)
+    attn = nsa_dsl.compile(COMPRESSION_ONLY.format(64, 64) + TOPK, config=config)
+    module = codegen.load_module("triton", attn.plan, for_device(attn.config))
+    seq_len, heads_kv, group, head_dim, block, count = 520, 2, 2, 16, 16, 4
+    spec = module.TopK(count, block, 1, module.Compression(block, block, heads_kv, group, head_dim, 0, seq_len))
+    tokens = module.hopper_mass_tokens(spec)
+    shape = (heads_kv, -(-seq_len // tokens) * tokens, mass_width(spec.compression))
+    if kind == "independent":
+        mass = rng.random(shape)
+    elif kind == "drifting":  # neighbouring blocks alike
+        mass = np.exp(np.cumsum(rng.standard_normal(shape) * 0.5, axis=-1) - 20.0)
+    elif kind == "best run":  # each row's best blocks in a run longer than its picks
+        mass = rng.random(shape) * 0.1
+        run = rng.integers(0, 40, shape[:2])[..., None] + np.arange(count + 2)
+        np.put_along_axis(mass, run, 1.0 + rng.random((*shape[:2], count + 2)), axis=2)
+    else:
+        mass = rng.choice(np.array([0.25, 0.5, 1.0], np.float32), shape)
+    mass = mass.astype(np.float32)
+    monkeypatch.setattr(module, "hopper_mass_applies", lambda spec, q, k_cmp: True)
+    monkeypatch.setattr(module, "hopper_group_mass", lambda spec, q, k_cmp, lse, scale: jnp.asarray(mass))
+
+    blocks = -(-seq_len // block)
+    keys_cmp = compressed_count(spec.compression)
+    q = jnp.asarray(normal(rng, seq_len, heads_kv * group, head_dim))
+    pooled = layout.Compressed(jnp.asarray(normal(rng, keys_cmp, heads_kv, head_dim)),
+                               jnp.asarray(normal(rng, keys_cmp, heads_kv, head_dim)),
+                               jnp.asarray([0, keys_cmp], jnp.int32))
+    lse = jnp.asarray(normal(rng, seq_len, heads_kv * group))
+    own_block = (np.arange(blocks, dtype=np.int32)[:, None], np.ones(blocks, np.int32))
+    chosen = module.topk_blocks(spec, q, pooled, lse, jnp.asarray([head_dim**-0.5], jnp.float32),
+                                jnp.asarray([0, seq_len], jnp.int32), own_block, seq_len, seq_len,
+                                layout.QueryRows.shard(0, seq_len, 1))
+
+    want = ranked_in_numpy(mass, seq_len, block, count)
+    got = np.asarray(chosen)
+    bad = [tuple(row) for row in np.argwhere((got != want).any(-1))]
+    assert not bad, f"{len(bad)} rows differ; (token, head) {bad[0]}: {got[bad[0]]}, want {want[bad[0]]}"
+
+
 def test_hopper_group_mass_applies_where_its_mass_fits(monkeypatch):
     """The mass grows with the square of the sequence: past HOPPER_MASS_SHARE of the device's memory
     (here a device of 1 GiB) the top-k scores in Triton; so do groups of other sizes than 8 and 16."""
