@@ -76,7 +76,19 @@ def record(kernel, grid, inputs, outputs, *, num_warps, num_stages, zeroed=(), a
 
 
 def trace(case: dict) -> None:
-    """Trace one case's forward and backward under jit (nothing runs)."""
+    """Trace one case's forward and backward under jit (nothing runs); with "hopper", as on a Hopper
+    GPU: the Mosaic GPU kernels in place of some Triton ones, and the Triton kernels that take their
+    results (the top-k ranking a given mass)."""
+    on_hopper = triton_glue.on_hopper
+    if case.get("hopper"):
+        triton_glue.on_hopper = lambda: True
+    try:
+        trace_on_this_device(case)
+    finally:
+        triton_glue.on_hopper = on_hopper
+
+
+def trace_on_this_device(case: dict) -> None:
     dtype = jnp.dtype(case["dtype"])
     shape_q = (case["batch"], case["seq_len"], case["heads_q"], case["head_dim"])
     shape_kv = (case["batch"], case["seq_len"], case["heads_kv"], case["head_dim"])
