@@ -112,12 +112,12 @@ def test_clean_selection_keeps_exactly_the_entries_that_count(rng):
                 assert cleaned[row, h, e] == (block if keep else -1), (row, h, e)
 
 
-@pytest.mark.parametrize("one_key", [True, False], ids=["one int32 key", "key and row pairs"])
-def test_pair_lists_are_the_selection_transposed(rng, monkeypatch, one_key):
-    """Both sorts: one int32 key per pair, and (key, row) pairs where that key would not fit; the
-    lists' segments of 7 rows, the list of entries naming no block (every entry is in one list)
+@pytest.mark.parametrize("short_keys", [True, False], ids=["uint16 list keys", "int32 list keys"])
+def test_pair_lists_are_the_selection_transposed(rng, monkeypatch, short_keys):
+    """Both sorts: the list ids as uint16 keys, and as int32 keys where there are too many lists;
+    the lists' segments of 7 rows, the list of entries naming no block (every entry is in one list)
     included."""
-    monkeypatch.setattr(layout, "ONE_KEY_LIMIT", layout.ONE_KEY_LIMIT if one_key else 0)
+    monkeypatch.setattr(layout, "SHORT_KEY_LISTS", layout.SHORT_KEY_LISTS if short_keys else 0)
     heads_kv, width = 3, 4
     offsets = layout.sequence_offsets(np.array(CU_SEQLENS), 1, TOTAL)
     rows = layout.rows(offsets, TOTAL)

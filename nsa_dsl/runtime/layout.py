@@ -264,9 +264,11 @@ class PairLists(NamedTuple):
     segments: jax.Array | None = None  # [HKV * (num key blocks + 1) * R + 1] int32
 
 
-# Pair lists sort one int32 key per (row, entry) pair where (HKV * (key blocks + 1) * N) fits:
-# a radix sort of one key on a GPU takes a fraction of a (key, row) pair sort's time.
-ONE_KEY_LIMIT = 2**31
+# Pair lists sort each (row, entry) pair by its list alone, stably: a radix sort keeps a list's
+# pairs in input order, rows ascending. Where the lists are fewer than SHORT_KEY_LISTS their ids
+# sort as uint16 keys: XLA's radix sort (cub) then takes 2 passes of 8 bits, where a key of list
+# and row in one int32 (~28 bits at 64k tokens) took 4.
+SHORT_KEY_LISTS = 2**16
 
 
 def selection_by_key_block(
@@ -281,27 +283,15 @@ def selection_by_key_block(
     lists_per_head = blocks.count + 1  # the last: entries naming no block, sorted after every real one
     block_id = jnp.where(selected >= 0, blocks.block_id(seq[:, None, None], selected), blocks.count)
     list_id = (jnp.arange(heads_kv, dtype=jnp.int32)[None, :, None] * lists_per_head + block_id).transpose(1, 0, 2)
+    key_dtype = jnp.uint16 if heads_kv * lists_per_head <= SHORT_KEY_LISTS else jnp.int32
+    # Each pair carries row * S + entry (the pairs in head, row, entry order).
+    row_entries = jnp.broadcast_to(jnp.arange(total * entries, dtype=jnp.int32).reshape(1, total, entries), list_id.shape)
+    lists, row_entries = lax.sort((list_id.reshape(-1).astype(key_dtype), row_entries.reshape(-1)), is_stable=True,
+                                  num_keys=1)
+    lists = lists.astype(jnp.int32)
+    rows, entry = row_entries // entries, row_entries % entries if slots else None
     bounds = jnp.arange(heads_kv * lists_per_head, dtype=jnp.int32).reshape(heads_kv, lists_per_head)
-    if heads_kv * lists_per_head * total <= ONE_KEY_LIMIT:
-        # key = list * N + row: sorted, lists in order and each list's rows ascending; a row names a
-        # block at most once (clean_selection), so a block's keys are distinct and the entry can ride
-        # along as the sort's payload (measured on the H200 at 64k: finding it again afterwards, by
-        # gathering and comparing the row's entries, cost 1.1 ms of the lists' 1.44). Only the last
-        # list, entries naming no block, repeats keys: a row's pairs there come in any order.
-        keys = (list_id * total + jnp.arange(total, dtype=jnp.int32)[None, :, None]).reshape(-1)
-        if slots:
-            entry = jnp.broadcast_to(jnp.arange(entries, dtype=jnp.int32), list_id.shape).reshape(-1)
-            keys, entry = lax.sort((keys, entry), num_keys=1)
-        else:
-            keys, entry = lax.sort(keys), None
-        lists, rows = keys // total, keys % total
-        offsets = search_sorted(keys, bounds * total, side="left").astype(jnp.int32)
-    else:
-        keys = list_id.reshape(-1)
-        row_entries = jnp.broadcast_to(jnp.arange(total * entries, dtype=jnp.int32).reshape(1, total, entries), list_id.shape)
-        lists, row_entries = lax.sort((keys, row_entries.reshape(-1)), is_stable=True, num_keys=1)
-        rows, entry = row_entries // entries, row_entries % entries if slots else None
-        offsets = search_sorted(lists, bounds, side="left").astype(jnp.int32)
+    offsets = search_sorted(lists, bounds, side="left").astype(jnp.int32)
     segments = None
     if segment_rows is not None:
         # (list, row // segment_rows) numbers the pairs' segments in their sorted order.
