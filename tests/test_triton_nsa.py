@@ -600,6 +600,14 @@ def group_mass_in_numpy(spec, q, k_cmp, lse, scale, tokens):
     return mass.transpose(0, 2, 1, 3).reshape(batch * cmp.heads_kv, rows, -1)
 
 
+def column_maxima_in_numpy(mass, width):
+    """hopper_group_mass's column maxima from its mass [..., keys] (NaN where a row does not see a
+    key, as group_mass_in_numpy's; keys in whole steps of `width`): entry c of a row the largest of
+    0 and its masses on the keys c + i * width."""
+    seen = np.nan_to_num(np.asarray(mass, np.float64), nan=0.0)
+    return seen.reshape(*seen.shape[:-1], -1, width).max(-2).clip(min=0.0)
+
+
 def compressed_count(cmp):
     """A sequence's compressed keys (layout.compressed_offsets)."""
     return (cmp.seq_len - cmp.block) // cmp.stride + 1 if cmp.seq_len >= cmp.block else 0
@@ -638,8 +646,14 @@ def test_topk_ranks_a_given_group_mass(rng, monkeypatch, dtype):
     def given_mass(spec, q, k_cmp, lse, scale):
         cmp, tokens = spec.compression, module.hopper_mass_tokens(spec)
         rows = -(-cmp.seq_len // tokens) * tokens
-        shape = jax.ShapeDtypeStruct((q.shape[0] // cmp.seq_len * cmp.heads_kv, rows, mass_width(cmp)), jnp.float32)
-        return jax.pure_callback(lambda *args: group_mass_in_numpy(spec, *args, tokens).astype(np.float32), shape,
+        shape = (q.shape[0] // cmp.seq_len * cmp.heads_kv, rows)
+
+        def mass_and_maxima(*args):
+            mass = group_mass_in_numpy(spec, *args, tokens)
+            return mass.astype(np.float32), column_maxima_in_numpy(mass, module.HOPPER_BLOCK_KV).astype(np.float32)
+
+        return jax.pure_callback(mass_and_maxima, (jax.ShapeDtypeStruct((*shape, mass_width(cmp)), jnp.float32),
+                                                   jax.ShapeDtypeStruct((*shape, module.HOPPER_BLOCK_KV), jnp.float32)),
                                  q, k_cmp, lse, scale)
 
     calls = record_calls(monkeypatch, module, "hopper_mass_applies")
@@ -672,7 +686,8 @@ def test_topk_shortlists_rank_a_given_mass(rng, monkeypatch, kind):
     shortlist of the candidates at or above its threshold, and a tile whose shortlists overflow (tied
     masses: every candidate reaches the threshold) by its chunk networks; both against numpy, over
     walks of up to three chunks (l = d = l' = 16 and steps of 16 keys: 33 blocks, 16 a chunk), two KV
-    heads, and rows before their 4th block (fewer candidates than picks)."""
+    heads, and rows before their 4th block (fewer candidates than picks). The threshold comes from
+    given column maxima, as a mass kernel of 32-key steps would write them (two 16-key halves)."""
     config = nsa_dsl.NativeSparseAttentionConfig(block_k=16)
     attn = nsa_dsl.compile(COMPRESSION_ONLY.format(64, 64) + TOPK, config=config)
     module = codegen.load_module("triton", attn.plan, for_device(attn.config))
@@ -691,8 +706,18 @@ def test_topk_shortlists_rank_a_given_mass(rng, monkeypatch, kind):
     else:
         mass = rng.choice(np.array([0.25, 0.5, 1.0], np.float32), shape)
     mass = mass.astype(np.float32)
+    seen = np.arange(shape[2]) < ((np.arange(shape[1]) + 1) // block)[:, None]  # [rows, keys]
+    maxima = column_maxima_in_numpy(np.where(seen, mass, np.nan), 2 * 16).astype(np.float32)
     monkeypatch.setattr(module, "hopper_mass_applies", lambda spec, q, k_cmp: True)
-    monkeypatch.setattr(module, "hopper_group_mass", lambda spec, q, k_cmp, lse, scale: jnp.asarray(mass))
+    monkeypatch.setattr(module, "hopper_group_mass",
+                        lambda spec, q, k_cmp, lse, scale: (jnp.asarray(mass), jnp.asarray(maxima)))
+    launch, columns_given = triton_glue.launch, []
+
+    def recording_launch(kernel, *args, **constants):
+        columns_given.append(constants.get("COLUMNS_GIVEN"))
+        return launch(kernel, *args, **constants)
+
+    monkeypatch.setattr(triton_glue, "launch", recording_launch)
 
     blocks = -(-seq_len // block)
     keys_cmp = compressed_count(spec.compression)
@@ -706,6 +731,7 @@ def test_topk_shortlists_rank_a_given_mass(rng, monkeypatch, kind):
                                 jnp.asarray([0, seq_len], jnp.int32), own_block, seq_len, seq_len,
                                 layout.QueryRows.shard(0, seq_len, 1))
 
+    assert columns_given == [True], "the ranking did not take the given maxima"
     want = ranked_in_numpy(mass, seq_len, block, count)
     got = np.asarray(chosen)
     bad = [tuple(row) for row in np.argwhere((got != want).any(-1))]
@@ -761,10 +787,14 @@ def check_hopper_group_mass(rng, block, stride, batch, seq_len, heads_kv, group,
         if seen:
             lse[n] = np.log2(np.exp2(scores - scores.max(1, keepdims=True)).sum(1)) + scores.max(1)
     want = group_mass_in_numpy(spec, q, k_cmp, lse, scale, module.hopper_mass_tokens(spec))
-    got = np.asarray(jax.jit(lambda *a: module.hopper_group_mass(spec, *a))(q, k_cmp, lse.astype(np.float32), scale))
+    got, maxima = (np.asarray(x) for x in jax.jit(lambda *a: module.hopper_group_mass(spec, *a))(
+        q, k_cmp, lse.astype(np.float32), scale))
     seen = ~np.isnan(want)
     assert got.shape == want.shape
     np.testing.assert_allclose(got[seen], want[seen], rtol=2e-3, atol=1e-6)
+    rows = slice(0, seq_len)  # (an item's rows past the sequence are never read)
+    np.testing.assert_allclose(maxima[:, rows], column_maxima_in_numpy(want[:, rows], module.HOPPER_BLOCK_KV),
+                               rtol=2e-3, atol=1e-6)
 
 
 @pytest.mark.skipif(not triton_glue.on_hopper(), reason="Mosaic GPU kernels: a Hopper GPU only")
@@ -780,6 +810,7 @@ def test_hopper_group_mass(rng, block, stride, batch, seq_len, heads_kv, group, 
 @pytest.mark.parametrize("block, stride, batch, seq_len, heads_kv, group, head_dim, dtype", [
     (64, 64, 1, 512, 1, 16, 64, jnp.bfloat16),  # 8 items of no step first (their proxy fence)
     (32, 16, 2, 200, 1, 8, 64, jnp.float16),  # overlapping keys, two batch rows
+    (16, 16, 1, 2100, 1, 8, 64, jnp.float16),  # 131 keys: walks of two steps (the column maxima's)
 ])
 def test_hopper_group_mass_interpreted(rng, mosaic_gpu_interpreter, block, stride, batch, seq_len, heads_kv, group,
                                        head_dim, dtype):
