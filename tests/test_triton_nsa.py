@@ -707,7 +707,8 @@ def test_topk_shortlists_rank_a_given_mass(rng, monkeypatch, kind):
         mass = rng.choice(np.array([0.25, 0.5, 1.0], np.float32), shape)
     mass = mass.astype(np.float32)
     seen = np.arange(shape[2]) < ((np.arange(shape[1]) + 1) // block)[:, None]  # [rows, keys]
-    maxima = column_maxima_in_numpy(np.where(seen, mass, np.nan), 2 * 16).astype(np.float32)
+    chunk = spec.tiles(1, ranking_only=True)["CHUNK"]  # the maxima's columns: two chunks a step
+    maxima = column_maxima_in_numpy(np.where(seen, mass, np.nan), 2 * chunk).astype(np.float32)
     monkeypatch.setattr(module, "hopper_mass_applies", lambda spec, q, k_cmp: True)
     monkeypatch.setattr(module, "hopper_group_mass",
                         lambda spec, q, k_cmp, lse, scale: (jnp.asarray(mass), jnp.asarray(maxima)))
