@@ -250,19 +250,27 @@ def test_native_sparse_attention_with_g_cmp(rng):
     assert_close(out, expected, TOLERANCE[np.float32][0], "output")
 
 
-@pytest.mark.parametrize("gates, slc_gate", [
-    (("g_cmp", "g_swa"), "gate g_slc"),
-    (("g_slc",), "gate g_slc"),
-    (("g_cmp", "g_slc", "g_swa", "g_near"), "gate g_slc"),
-    (("g_cmp", "g_swa"), "gate g_slc default 0.5"),
-    (("g_swa",), ""),
+@pytest.mark.parametrize("gates, slc_gate, by_key_block", [
+    (("g_cmp", "g_swa"), "gate g_slc", False),
+    (("g_slc",), "gate g_slc", False),
+    (("g_cmp", "g_slc", "g_swa", "g_near"), "gate g_slc", False),
+    (("g_cmp", "g_slc", "g_swa", "g_near"), "gate g_slc", True),
+    (("g_cmp", "g_swa"), "gate g_slc default 0.5", False),
+    (("g_cmp", "g_swa"), "gate g_slc default 0.5", True),
+    (("g_swa",), "", False),
 ])
-def test_the_selection_kernel_writes_every_branchs_gated_output(rng, monkeypatch, gates, slc_gate):
+def test_the_selection_kernel_writes_every_branchs_gated_output(rng, monkeypatch, request, gates, slc_gate,
+                                                                by_key_block):
     """examples/nsa.nsa scaled down, with a second window (g_near): called without gradients, the
     selection branch's kernel adds the other branches' gated outputs as it writes the result (a
     third one summed first: the kernel takes two), in one launch instead of the selection's own,
     its own weighed by its gate, the gate's default when not passed, or 1 for a branch without one;
-    without g_slc (no default) the other branches' outputs are summed. Group 4, head dim 24, odd length."""
+    without g_slc (no default) the other branches' outputs are summed. The terms that come weighed
+    already (the fused launch's, the sum of the rest) are added unweighted. `by_key_block`: the
+    selection runs key block by key block and gated_merge adds the terms as it merges the parts.
+    Group 4, head dim 24, odd length."""
+    if by_key_block:
+        request.getfixturevalue("block_outer_forward")
     source, spec = small_example("nsa")
     source = source.replace("\ncausal\n", "\ncausal\ngate g_near\n").replace(" gate g_slc\n", f" {slc_gate}\n")
     source += "branch near = window(8) gate g_near\n"
@@ -274,7 +282,7 @@ def test_the_selection_kernel_writes_every_branchs_gated_output(rng, monkeypatch
     launched = launched_triton_kernels(monkeypatch, lambda: jax.make_jaxpr(call)(q, k, v, values))
     out = call(q, k, v, values)
     selection_runs = "g_slc" in gates or slc_gate != "gate g_slc"
-    assert launched.count("gated_selection_forward") == selection_runs
+    assert launched.count("gated_merge" if by_key_block else "gated_selection_forward") == selection_runs, launched
     assert "selection_forward" not in launched
 
     chosen = np.asarray(attn.selections(q, k, v, platform="triton")["slc"])
