@@ -75,7 +75,8 @@ def main() -> None:
           flush=True)
 
     def lists(selected):
-        return layout.selection_by_key_block(selected, tiles.seq, blocks, slots=True, segment_rows=module.SEGMENT_ROWS)
+        return layout.selection_by_key_block(selected, tiles.seq, blocks, token_entries=True,
+                                             segment_rows=module.SEGMENT_ROWS)
 
     def parts(q, k, v, pairs):
         return module._block_outer_parts(spec, tiles, q, k, v, scale, blocks, pairs, 0, HKV)

@@ -124,8 +124,11 @@ def test_pair_lists_are_the_selection_transposed(rng, monkeypatch, short_keys):
     indices = rng.integers(-1, 3, (TOTAL, heads_kv, width)).astype(np.int32)
     cleaned = layout.clean_selection(indices, np.full((TOTAL, heads_kv), width, np.int32), rows, BLOCK)
     blocks = layout.sequence_blocks(offsets, TOTAL, BLOCK)
-    pairs = layout.selection_by_key_block(cleaned, rows.seq, blocks, slots=True, segment_rows=7)
-    tokens, slots, bounds = np.asarray(pairs.tokens), np.asarray(pairs.slots), np.asarray(pairs.offsets)
+    pairs = layout.selection_by_key_block(cleaned, rows.seq, blocks, token_entries=True, segment_rows=7)
+    tokens, bounds = np.asarray(pairs.tokens), np.asarray(pairs.offsets)
+    token_entries = np.asarray(pairs.token_entries)
+    np.testing.assert_array_equal(token_entries // width, tokens)
+    slots = token_entries % width
     cleaned, seq_first = np.asarray(cleaned), np.asarray(blocks.seq_first)
     segments, per_list = np.asarray(pairs.segments), -(-TOTAL // 7)
     assert segments.shape == (heads_kv * (blocks.count + 1) * per_list + 1,) and segments[-1] == tokens.size

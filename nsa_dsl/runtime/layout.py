@@ -250,8 +250,9 @@ class PairLists(NamedTuple):
     """The selection transposed: per (KV head, key block), the rows that selected it.
 
     tokens[offsets[h, b] : offsets[h, b + 1]] are the rows, ascending, whose selection for KV
-    head h holds key block b (a Blocks id); slots[i], where asked for, is the entry of row
-    tokens[i]'s selection that names the block. A row is a token, or whatever the selections
+    head h holds key block b (a Blocks id); token_entries[i], where asked for, is tokens[i] * S + the
+    entry of row tokens[i]'s selection that names the block (the sort's own values: kernels that
+    read both decode one load). A row is a token, or whatever the selections
     belong to (a `per block(Q)` group of tokens). Where asked for, segments cut every list (the
     last, of entries naming no block, included) by rows into spans of `segment_rows` rows:
     segments[(h * (num key blocks + 1) + b) * R + r] is where the rows [r * segment_rows,
@@ -260,7 +261,7 @@ class PairLists(NamedTuple):
 
     tokens: jax.Array  # [HKV * N * S] int32
     offsets: jax.Array  # [HKV, num key blocks + 1] int32
-    slots: jax.Array | None = None  # [HKV * N * S] int32
+    token_entries: jax.Array | None = None  # [HKV * N * S] int32
     segments: jax.Array | None = None  # [HKV * (num key blocks + 1) * R + 1] int32
 
 
@@ -272,11 +273,12 @@ SHORT_KEY_LISTS = 2**16
 
 
 def selection_by_key_block(
-    selected: jax.Array, seq: jax.Array, blocks: Blocks, slots: bool = False, segment_rows: int | None = None,
+    selected: jax.Array, seq: jax.Array, blocks: Blocks, token_entries: bool = False, segment_rows: int | None = None,
 ) -> PairLists:
     """Transpose cleaned selections [N, HKV, S] (clean_selection) of rows of the sequences `seq`
     [N] into pair lists, on device: number every (row, entry) pair by its (KV head, key block)
-    list, sort, and find each list's range by binary search; with `slots`, each pair's entry too;
+    list, sort, and find each list's range by binary search; with `token_entries`, each pair's
+    row * S + entry too;
     with `segment_rows`, the lists' segments of that many rows. Deterministic: no atomics, rows
     stay in ascending order."""
     total, heads_kv, entries = selected.shape
@@ -289,7 +291,7 @@ def selection_by_key_block(
     lists, row_entries = lax.sort((list_id.reshape(-1).astype(key_dtype), row_entries.reshape(-1)), is_stable=True,
                                   num_keys=1)
     lists = lists.astype(jnp.int32)
-    rows, entry = row_entries // entries, row_entries % entries if slots else None
+    rows = row_entries // entries
     bounds = jnp.arange(heads_kv * lists_per_head, dtype=jnp.int32).reshape(heads_kv, lists_per_head)
     offsets = search_sorted(lists, bounds, side="left").astype(jnp.int32)
     segments = None
@@ -299,7 +301,8 @@ def selection_by_key_block(
         segment = lists * per_list + rows // segment_rows
         bounds = jnp.arange(lists_per_head * heads_kv * per_list + 1, dtype=jnp.int32)
         segments = search_sorted(segment, bounds, side="left")
-    return PairLists(rows, offsets, entry, None if segments is None else segments.astype(jnp.int32))
+    return PairLists(rows, offsets, row_entries if token_entries else None,
+                     None if segments is None else segments.astype(jnp.int32))
 
 
 class TransposedTable(NamedTuple):
