@@ -250,10 +250,10 @@ class PairLists(NamedTuple):
     """The selection transposed: per (KV head, key block), the rows that selected it.
 
     tokens[offsets[h, b] : offsets[h, b + 1]] are the rows, ascending, whose selection for KV
-    head h holds key block b (a Blocks id); token_entries[i], where asked for, is tokens[i] * S + the
-    entry of row tokens[i]'s selection that names the block (the sort's own values: kernels that
-    read both decode one load). A row is a token, or whatever the selections
-    belong to (a `per block(Q)` group of tokens). Where asked for, segments cut every list (the
+    head h holds key block b (a Blocks id); token_entries[i], where asked for, is tokens[i] * S +
+    the entry of row tokens[i]'s selection that names the block (the sort's own values: kernels
+    that read both decode one load). A row is a token, or whatever the selections belong to (a
+    `per block(Q)` group of tokens). Where asked for, segments cut every list (the
     last, of entries naming no block, included) by rows into spans of `segment_rows` rows:
     segments[(h * (num key blocks + 1) + b) * R + r] is where the rows [r * segment_rows,
     (r + 1) * segment_rows) of list (h, b) begin, R = ceil(N / segment_rows), and its last element
@@ -278,9 +278,8 @@ def selection_by_key_block(
     """Transpose cleaned selections [N, HKV, S] (clean_selection) of rows of the sequences `seq`
     [N] into pair lists, on device: number every (row, entry) pair by its (KV head, key block)
     list, sort, and find each list's range by binary search; with `token_entries`, each pair's
-    row * S + entry too;
-    with `segment_rows`, the lists' segments of that many rows. Deterministic: no atomics, rows
-    stay in ascending order."""
+    row * S + entry too; with `segment_rows`, the lists' segments of that many rows.
+    Deterministic: no atomics, rows stay in ascending order."""
     total, heads_kv, entries = selected.shape
     lists_per_head = blocks.count + 1  # the last: entries naming no block, sorted after every real one
     block_id = jnp.where(selected >= 0, blocks.block_id(seq[:, None, None], selected), blocks.count)
