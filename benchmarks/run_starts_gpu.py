@@ -1,4 +1,4 @@
-"""Where each run of equal values starts in a sorted array, five ways, timed back to back on one
+"""Where each run of equal values starts in a sorted array, six ways, timed back to back on one
 device: the pair lists' segments at bench_gpu's 64k setting (4 KV heads x 1025 lists x 16 row
 segments over 4.2M sorted pairs; layout.selection_by_key_block). Session 54's ncu timeline found
 XLA running the binary search as 9 kernels (0.041 ms): it fuses two or three of the 22 halvings a
@@ -56,6 +56,14 @@ def scatter_starts_and_ends(values):
     return starts, ends
 
 
+def counts_cumsum(values):
+    """Each value's count (an integer scatter-add: exact in any order, so deterministic though XLA
+    adds with atomics on a GPU), then their running sum (a forward cumsum: one chlo.scan on a GPU).
+    Order-free: the unsorted values give the same starts, so it need not wait for the sort."""
+    counts = jnp.zeros((COUNT,), jnp.int32).at[values].add(1, mode="drop")
+    return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(counts, dtype=jnp.int32)])
+
+
 def triton_search(values):
     """One Triton kernel: each lane a bound's branchless binary search."""
     import jax_triton
@@ -82,7 +90,7 @@ def main():
     values = jnp.asarray(np.sort(np.random.default_rng(0).integers(0, COUNT, PAIRS)).astype(np.int32))
     want = np.searchsorted(np.asarray(values), np.arange(COUNT + 1), side="left")
     has_run = np.diff(np.append(want, PAIRS)) > 0
-    ways = [binary, branchless, scatter_cummin, scatter_starts_and_ends]
+    ways = [binary, branchless, scatter_cummin, scatter_starts_and_ends, counts_cumsum]
     if jax.default_backend() == "gpu":
         ways.append(triton_search)
     print(f"{PAIRS} sorted values in [0, {COUNT}), {jax.devices()[0].device_kind}; ms a call, 200 back to back")
