@@ -56,6 +56,17 @@ def test_forward(rng, name):
     assert_close(attention(q, k, v), expected, FORWARD_TOLERANCE, name)
 
 
+@pytest.mark.parametrize("reach", [W(1, 2**31 - 1), L(1, 2**31 - 1)], ids=repr)
+def test_extents_up_to_the_language_limit(rng, reach):
+    """window(1, 2**31 - 1) and local(1, 2**31 - 1) see every key from the query's on: a position
+    plus such an extent must not wrap around int32 (in the token mask or the block table)."""
+    keys = model.Union((reach, BL((0,))))
+    attention = compiled([keys], causal=False)
+    q, k, v = qkv(rng, 1, 75, 2, 1, 16)
+    expected = reference.forward(q, k, v, [reference.static_mask(keys, 16, False, 1, 75)], [None], 0.25)
+    assert_close(attention(q, k, v), expected, FORWARD_TOLERANCE, repr(keys))
+
+
 def reference_branches(attention: SparseAttention, q, passed: dict, cu_seqlens=None):
     """(masks, gates) of the branches that run given the `passed` gates: a passed gate weighs
     its branch, an absent one its default (a constant), and a branch with neither is skipped."""

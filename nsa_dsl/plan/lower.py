@@ -5,6 +5,7 @@ from __future__ import annotations
 from ..dsl import model
 from ..errors import NsaSemanticError
 from . import plan as p
+from .ranges import MAX_TOKENS
 
 # Bits of an int32 table entry that name block atoms (the sign bit stays clear).
 MAX_BLOCK_ATOMS = 31
@@ -34,6 +35,7 @@ def _lower_branch(branch: model.Branch) -> p.BranchPlan:
 def lower_keys(keys: model.KeySet) -> p.StaticKeys:
     """Number the block atoms (equal atoms share a bit) and rewrite the key set over them."""
     atoms: list[model.BlockAtom] = []
+    keys = _clamped(keys)
 
     def rewrite(node: model.KeySet) -> p.MaskExpr:
         match node:
@@ -55,3 +57,19 @@ def lower_keys(keys: model.KeySet) -> p.StaticKeys:
     if len(atoms) > MAX_BLOCK_ATOMS:
         raise NsaSemanticError(f"a key set may use at most {MAX_BLOCK_ATOMS} distinct block atoms, this one uses {len(atoms)}")
     return p.StaticKeys(keys=keys, block_atoms=tuple(atoms), mask=mask)
+
+
+def _clamped(keys: model.KeySet) -> model.KeySet:
+    """`keys` with window and local extents past MAX_TOKENS cut to it: the same keys in every
+    sequence a kernel runs, and position + extent stays within int32 in tables and token masks
+    (window(1, 2**31 - 1) would otherwise wrap to negative positions and see nothing)."""
+    match keys:
+        case model.Window(left, right):
+            return model.Window(min(left, MAX_TOKENS), min(right, MAX_TOKENS))
+        case model.Local(before, after):
+            return model.Local(min(before, MAX_TOKENS), min(after, MAX_TOKENS))
+        case model.Union(parts) | model.Intersection(parts):
+            return type(keys)(tuple(_clamped(x) for x in parts))
+        case model.Difference(left, right):
+            return model.Difference(_clamped(left), _clamped(right))
+    return keys
