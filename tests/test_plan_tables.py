@@ -166,6 +166,22 @@ def test_million_token_plans_build_in_memory_linear_in_their_blocks(branches, la
     assert peak < 3 * size + (1 << 20), (peak, size)
 
 
+def test_a_random_count_past_every_rows_candidates_costs_what_the_blocks_do():
+    """random(count) with more draws than a row has candidate blocks takes them all: its table
+    costs what the sequence's blocks do, not what `count` does (random(2**31 - 1) asked for 16
+    GiB a row, and the draw's time grows with count squared)."""
+    static = lower_keys(m.Random(20_000, 5))
+    build_block_table(static, 16, False, 16)  # numpy's first calls allocate for themselves
+    tracemalloc.start()
+    try:
+        table = build_block_table(static, 16, False, 111)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert (table.counts == 7).all()
+    assert peak < 100_000, peak
+
+
 def test_a_plan_that_selects_blocks_must_be_causal():
     """Selection kernels mask keys after the query unconditionally: a bidirectional plan with a
     selection branch is refused where it is built, not silently run causally."""

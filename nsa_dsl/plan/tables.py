@@ -131,7 +131,10 @@ class _Grid:
         return np.where(columns <= last[:, None], columns, -1)
 
     def draw(self, count: int, seed: int) -> np.ndarray:
-        return sampling.draw_rows(self.rows, self.last + 1, count, seed)
+        # No row has more candidates than the sequence has blocks, and a row with at most `count`
+        # takes them all: a larger count draws the same, and would cost O(count) memory a row
+        # and O(count^2) time.
+        return sampling.draw_rows(self.rows, self.last + 1, min(count, self.num_blocks), seed)
 
 
 def _candidates(node: KeySet, grid: _Grid) -> np.ndarray:
