@@ -436,7 +436,9 @@ class NativeSparseAttention(Kernel[NativeSparseAttentionConfig, jax.Array]):
         "xla", "triton", "pallas") takes precedence over cfg.platform."""
         plan = nsa_plan(cfg.block_size, g_cmp, block_indices, block_counts)
         platform = choose_platform(plan, platform, cfg)
-        self.check_cfg(cfg, _shape(query)[-1])
+        query_shape = _shape(query)
+        if query_shape:  # a query without dimensions (None, a number) is refused by name with the other inputs
+            self.check_cfg(cfg, query_shape[-1])
         impl = self.get_impl(dataclasses.replace(cfg, platform=platform))
         if g_cmp is not None:
             if block_indices is not None:

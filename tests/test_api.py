@@ -66,6 +66,8 @@ def _bad_calls():
     g = gate(rng, 1, 32, 4)
     return [
         ("query", dict(query=q[0])),
+        ("query", dict(query=None)),
+        ("query", dict(query=1.0)),
         ("query", dict(query=q.astype(np.int32), key=k.astype(np.int32), value=v.astype(np.int32))),
         ("key", dict(key=k[:, :16])),
         ("key", dict(key=k.astype(np.float16))),
