@@ -25,6 +25,7 @@ from .dsl import model
 from .errors import NsaError
 from .plan import build_block_table, lower
 from .plan import plan as p
+from .plan.ranges import MAX_TOKENS
 from .resources import templates_dir
 from .runtime import check_supported
 from .runtime.platform import has_generator
@@ -39,13 +40,15 @@ def _define(text: str) -> tuple[str, str]:
     return name, value.strip()
 
 
-def _positive_int(text: str) -> int:
+def _seq_len(text: str) -> int:
+    """A sequence length the kernels run: their int32 positions plus a pattern's (clamped)
+    extents stay in range up to MAX_TOKENS, and longer ones overflow the statistics' tables."""
     try:
         value = int(text)
     except ValueError:
         value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
+    if not 1 <= value <= MAX_TOKENS:
+        raise argparse.ArgumentTypeError(f"expected a positive int up to 2**29 = {MAX_TOKENS}, got {text!r}")
     return value
 
 
@@ -76,7 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--seq-len",
-        type=_positive_int,
+        type=_seq_len,
         default=8192,
         metavar="T",
         help="sequence length for the summary's statistics and --check (default: 8192)",

@@ -155,7 +155,15 @@ def test_bad_arguments_about_the_file_exit_1(source_file: Path, tmp_path: Path, 
 
 @pytest.mark.parametrize(
     "args",
-    [["-D", "window"], ["-D", "=3"], ["-D", "1x=3"], ["--seq-len", "0"], ["--platform", "cuda"], ["--platform", ","]],
+    [
+        ["-D", "window"],
+        ["-D", "=3"],
+        ["-D", "1x=3"],
+        ["--seq-len", "0"],
+        ["--seq-len", str(1 << 40)],
+        ["--platform", "cuda"],
+        ["--platform", ","],
+    ],
 )
 def test_usage_errors_exit_2(source_file: Path, args: list[str], capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
