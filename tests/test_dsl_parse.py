@@ -334,6 +334,13 @@ def test_load_from_path(tmp_path):
     assert info.value.hint == "did you mean 'window'?"
 
 
+
+def test_load_a_file_saved_with_a_byte_order_mark(tmp_path):
+    """Editors on Windows may start a UTF-8 file with a byte order mark: it is not part of the text."""
+    path = tmp_path / "bom.nsa"
+    path.write_bytes(b"\xef\xbb\xbf" + TWO.encode())
+    assert load(path) == load(TWO)
+
 # ---- the syntax tree -------------------------------------------------------------------------
 def test_parse_builds_positioned_nodes():
     module = parse("pattern p\n  block 64\n  branch b = window(w - 1, right=2) gate g_swa default 1\n", file="f.nsa")

@@ -209,7 +209,7 @@ def read(source: str | os.PathLike, *, file: str | None = None) -> ast.Module:
     if isinstance(source, os.PathLike) or (isinstance(source, str) and source.endswith(".nsa") and "\n" not in source):
         path = Path(source)
         try:
-            text = path.read_text(encoding="utf-8")
+            text = path.read_text(encoding="utf-8-sig")  # a byte order mark, as some editors write, is no text
         except (OSError, UnicodeDecodeError) as err:
             reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
             raise NsaError(f"cannot read {str(path)!r}: {reason}", file=file or str(path)) from None
