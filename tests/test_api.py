@@ -184,6 +184,8 @@ def test_check_pattern_report():
     assert check_pattern(selection_plan(16), 64).ok
     nsa = check_pattern(lower(nsa_dsl.compile(EXAMPLES / "nsa.nsa").pattern), 300)
     assert nsa.ok and nsa.max_error < 1e-4, str(nsa)
+    shorter_than_a_compressed_block = check_pattern(nsa_dsl.compile(EXAMPLES / "nsa.nsa").plan, 20)
+    assert shorter_than_a_compressed_block.ok, str(shorter_than_a_compressed_block)
     learned = nsa_dsl.compile("pattern p\nblock 16\nbranch c = compress(block=16, pool=learned)\n")
     refused = check_pattern(learned.plan, 64)
     assert not refused.ok and "not checked" in str(refused)

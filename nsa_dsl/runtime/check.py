@@ -64,7 +64,7 @@ def dense_attention(q, k, v, mask, scale) -> np.ndarray:
     mask = np.repeat(mask, group, axis=1) if mask.shape[1] > 1 else mask
     logits = np.einsum("bthd,bshd->bhts", q, np.repeat(k, group, axis=2)) * scale
     logits = np.where(mask, logits, -np.inf)
-    row_max = logits.max(axis=-1, keepdims=True)
+    row_max = logits.max(axis=-1, keepdims=True, initial=-np.inf)  # no keys: a sequence shorter than a compressed block
     weights = np.exp(logits - np.where(np.isfinite(row_max), row_max, 0.0))
     total = weights.sum(axis=-1, keepdims=True)
     return np.einsum("bhts,bshd->bthd", weights / np.where(total > 0, total, 1.0), np.repeat(v, group, axis=2))
@@ -108,8 +108,8 @@ def compressed(branch: p.CompressBranch, k, v):
     seq_len = k.shape[1]
     count = (seq_len - branch.block) // branch.stride + 1 if seq_len >= branch.block else 0
     starts = np.arange(count) * branch.stride
-    k_cmp, v_cmp = (np.stack([x[:, s : s + branch.block].mean(axis=1) for s in starts], axis=1).reshape(
-        x.shape[0], count, *x.shape[2:]) for x in (np.asarray(k, np.float64), np.asarray(v, np.float64)))
+    windows = starts[:, None] + np.arange(branch.block)  # [C, block]: the key rows each compressed key pools
+    k_cmp, v_cmp = (np.asarray(x, np.float64)[:, windows].mean(axis=2) for x in (k, v))
     visible = starts[None, :] + branch.block - 1 <= np.arange(seq_len)[:, None]
     return k_cmp, v_cmp, visible[None, None]
 
@@ -125,7 +125,7 @@ def top_blocks(branch: p.TopKBranch, score: p.CompressBranch, q, k, scale) -> np
     group = heads_q // heads_kv
     logits = np.einsum("bthd,bchd->bhtc", np.asarray(q, np.float64), np.repeat(k_cmp, group, axis=2)) * scale
     logits = np.where(visible, logits, -np.inf)
-    top = logits.max(axis=-1, keepdims=True)
+    top = logits.max(axis=-1, keepdims=True, initial=-np.inf)
     probs = np.exp(logits - np.where(np.isfinite(top), top, 0.0))
     probs /= np.maximum(probs.sum(axis=-1, keepdims=True), 1e-300)
     num_sel = -(-seq_len // branch.block)
