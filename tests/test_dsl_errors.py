@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from nsa_dsl.dsl import load, load_pattern, parse
@@ -549,12 +550,15 @@ def test_unknown_override(overrides, message, hint):
         ("window", "1024.5", "an integer", "512"),
         ("window", 1024.0, "an integer", "512"),
         ("window", True, "an integer", "512"),
+        ("window", np.float64(1024.0), "an integer", "512"),
+        ("window", np.bool_(True), "an integer", "512"),
         ("window", "big", "an integer", "512"),
         ("window", "9" * 30, "an integer", "512"),
         ("ratio", "x", "a float", "0.5"),
         ("ratio", float("inf"), "a float", "0.5"),
         ("ratio", False, "a float", "0.5"),
         ("on", 1, "a bool", "true"),
+        ("on", np.int64(1), "a bool", "true"),
         ("on", "yes", "a bool", "true"),
         ("on", None, "a bool", "true"),
     ],

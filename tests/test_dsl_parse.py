@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from nsa_dsl.dsl import ast, load, load_pattern, model, parse
@@ -287,6 +288,10 @@ branch c = local(1)
         ({"half": 7, "ratio": 2}, (("window", 512), ("half", 7), ("ratio", 2.0), ("sinks", True))),
         ({"ratio": "0.25", "sinks": "false"}, (("window", 512), ("half", 256), ("ratio", 0.25), ("sinks", False))),
         ({"ratio": "3", "sinks": False}, (("window", 512), ("half", 256), ("ratio", 3.0), ("sinks", False))),
+        # numpy scalars, as configs and array code give them, count as their Python values
+        ({"window": np.int64(96), "ratio": np.float32(0.25), "sinks": np.bool_(False)},
+         (("window", 96), ("half", 48), ("ratio", 0.25), ("sinks", False))),
+        ({"half": np.uint8(7), "ratio": np.int32(2)}, (("window", 512), ("half", 7), ("ratio", 2.0), ("sinks", True))),
     ],
 )
 def test_overrides(overrides, params):

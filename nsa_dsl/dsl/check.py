@@ -251,7 +251,7 @@ class _PatternChecker:
     def override(self, decl: ast.Param, declared: Scalar, raw: object) -> Scalar:
         """`raw` (a Python value or -D text) as a value of the declared param's type."""
         kind = _kind(declared)
-        value = _parse_override(raw, type(declared)) if isinstance(raw, str) else raw
+        value = _parse_override(raw, type(declared)) if isinstance(raw, str) else _python_scalar(raw)
         fits = (
             (type(declared) is bool and type(value) is bool)
             or (type(declared) is int and type(value) is int and abs(value) <= MAX_INT)
@@ -726,6 +726,13 @@ def _listing(what: str, names: list[str]) -> str:
 def _branch_kind(decl: ast.Branch) -> str:
     value = decl.value
     return value.function if isinstance(value, ast.Call) and value.function in _DYNAMIC else "static"
+
+
+def _python_scalar(value: object) -> object:
+    """A numpy scalar (or any 0-d array, as configs and array code hand out) as its Python value,
+    which override() then types like any other; other values as they are."""
+    item = getattr(value, "item", None)
+    return item() if callable(item) and getattr(value, "shape", None) == () else value
 
 
 def _parse_override(text: str, kind: type) -> object:
