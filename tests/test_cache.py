@@ -87,6 +87,20 @@ def test_entry_is_written_under_the_key_and_reused(demo: Path, tmp_path: Path, m
     assert cache.source("xla", p) == text
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_entries_take_their_permissions_from_the_umask(demo: Path, umask: int) -> None:
+    """A cache shared by a group (umask 022) is readable by all of it, a private one (077) by its
+    owner alone: the entry's files are made as any file the process creates."""
+    previous = os.umask(umask)
+    try:
+        path = cache.cache_path("xla", demo_plan())
+        cache.source("xla", demo_plan())
+    finally:
+        os.umask(previous)
+    for entry in (path, path.with_suffix(".json")):
+        assert entry.stat().st_mode & 0o777 == 0o666 & ~umask, entry
+
+
 def test_key_covers_plan_config_templates_and_versions(demo: Path, monkeypatch) -> None:
     p = demo_plan()
     base = cache.cache_path("xla", p)

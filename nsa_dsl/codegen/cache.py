@@ -20,8 +20,8 @@ import importlib.util
 import json
 import os
 import re
+import secrets
 import sys
-import tempfile
 import threading
 import types
 from pathlib import Path
@@ -75,8 +75,11 @@ def _sha256(data: bytes) -> str:
 
 def write_atomically(path: Path, data: bytes, mode: int | None = None) -> None:
     """Write `data` to `path` so that readers see the old file or the whole new one, never a part;
-    `mode` (permission bits) is set before the file appears under its name."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    `mode` (permission bits) is set before the file appears under its name, else the process's
+    umask decides them, as for any file it creates (tempfile.mkstemp's 0600 kept a cache that
+    several users share unreadable to all but its writer, who then wrote every entry again)."""
+    tmp = path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
