@@ -109,6 +109,13 @@ def test_every_bad_input_is_a_value_error_naming_the_argument(case):
         nsa_dsl.native_sparse_attention(*(args.get(n) for n in order), **keywords)
 
 
+def test_a_bad_cu_seqlens_is_shown_as_given():
+    args = {**GOOD_CALL, "cu_seqlens": np.array([0, 2**40])}
+    order = ["query", "key", "value", "g_cmp", "g_slc", "block_indices", "block_counts", "cu_seqlens"]
+    with pytest.raises(ValueError, match=r"cu_seqlens must .* got \[0, 1099511627776\]$"):
+        nsa_dsl.native_sparse_attention(*(args.get(n) for n in order))
+
+
 LONGFORMER = EXAMPLES / "longformer.nsa"
 
 

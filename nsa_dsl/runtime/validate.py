@@ -269,7 +269,8 @@ def cu_seqlens(value: object, shapes: Shapes) -> jax.Array | None:
         host = np.asarray(cu)
         if host[0] != 0 or (np.diff(host) < 0).any() or host[-1] > shapes.seq_len:
             raise ValueError(
-                f"cu_seqlens must start at 0, never decrease and end at most at seq_len={shapes.seq_len}, got {host.tolist()}"
+                f"cu_seqlens must start at 0, never decrease and end at most at seq_len={shapes.seq_len}, "
+                f"got {np.asarray(value).tolist()}"  # as given, not as clamped to int32
             )
     return cu
 
