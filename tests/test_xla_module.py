@@ -135,3 +135,14 @@ def test_every_platform_has_kernels_for_every_branch_kind_and_others_are_refused
         check_supported(plan, platform)
     with pytest.raises(NotImplementedError, match="the mosaic backend has no kernel for CompressBranch"):
         check_supported(plan, "mosaic")
+
+
+@pytest.mark.parametrize(
+    ("q_len", "block", "rows"),
+    [(40, 64, 64), (40, 96, 48), (1, 96, 1), (40, 97, 97), (6, 36, 6), (7, 36, 9), (40, 2**30, 64), (200, 64, 64)],
+)
+def test_a_shards_query_tiles_are_the_least_divisor_of_the_block_holding_its_rows(q_len, block, rows):
+    """A shard of q_len query rows (a decoding step's one) takes tiles of the smallest divisor of
+    the pattern's block that holds them (the whole block once they fill it), found in time even
+    for a block of 2**30 rows."""
+    assert xla_engine.Frame(0, q_len, 2 * max(q_len, block), 1, block).rows == rows
