@@ -483,20 +483,26 @@ def selection_scores(q, k_cmp, count, q_pos, length, cmp_block, cmp_stride, sel_
 
 def top_blocks(scores, last_block, forced, count):
     """The `count` best blocks among 0..last_block per row, forced ones first, lower ids first
-    on ties; -1 where fewer exist. scores [..., S], last_block / forced broadcastable."""
+    on ties; -1 where fewer exist. scores [..., S], last_block / forced broadcastable. At most S
+    of them, [..., min(count, S)]: entries past a row's blocks would all be -1 (and a count far
+    past them, e.g. topk(2**31 - 1), made arrays XLA could not even shape)."""
     block = jnp.arange(scores.shape[-1])
     ranked = jnp.where(block <= last_block[..., None], jnp.where(forced, jnp.inf, scores), -jnp.inf)
     best, index = lax.top_k(ranked, min(count, scores.shape[-1]))
-    index = jnp.where(best > -jnp.inf, index, -1)
-    return jnp.pad(index, [(0, 0)] * (index.ndim - 1) + [(0, count - index.shape[-1])], constant_values=-1)
+    return jnp.where(best > -jnp.inf, index, -1)
+
+
+def padded_entries(selected, count):
+    """selected [..., S] with -1 entries up to `count` (>= S): a selection's full width."""
+    return jnp.pad(selected, [(0, 0)] * (selected.ndim - 1) + [(0, count - selected.shape[-1])], constant_values=-1)
 
 
 def topk_selection(
     queries, pooled, cu_seqlens, frame, forced_table, *, count, cmp_block, cmp_stride, sel_block, query_block,
     chunk_bytes,
 ):
-    """Selected blocks [Nq, HKV, count] (ids of sel_block-token blocks of each query's sequence,
-    -1 unused) from queries [Nq, HQ, D] (scaled) and a compress branch's layout.pool_compressed,
+    """Selected blocks [Nq, HKV, min(count, blocks of the keys)] (ids of sel_block-token blocks of
+    each query's sequence, -1 unused) from queries [Nq, HQ, D] (scaled) and a compress branch's layout.pool_compressed,
     scoring as many tiles at once as keep their float32 scores near `chunk_bytes`.
     Every query of a `query_block` group must be among the queries (the runtime sees to it)."""
     rows = frame.rows
@@ -525,7 +531,7 @@ def topk_selection(
             jnp.arange(forced_indices.shape[1]) < forced_counts[row][:, None], forced_indices[row], -1
         )
         forced = (jnp.arange(num_sel)[None, :, None] == forced_ids[:, None, :]).any(axis=-1)  # [groups, num_sel]
-        chosen = top_blocks(scores, group_last // sel_block, forced[None], count)  # [HKV, groups, count]
+        chosen = top_blocks(scores, group_last // sel_block, forced[None], count)  # [HKV, groups, <= count]
         return jnp.repeat(chosen, query_block, axis=1)  # [HKV, rows, count]
 
     heads = queries.shape[1]
