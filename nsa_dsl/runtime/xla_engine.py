@@ -75,6 +75,14 @@ def schedule(keys_for, *, items, rows, heads_q, heads_kv, head_dim, steps, block
     return Schedule(keys_for, block, max(steps, 1), chunk)
 
 
+def frame(offset, q_len: int, k_len: int, batch: int, block: int) -> Frame:
+    """The Frame of a call of `block`-row blocks, its block at most the keys' length: a longer
+    block is a sequence's one block (id 0, holding every key) as a block of k_len rows is, and
+    tiles and gathers of its length would only pad that (a block of 2**30 rows, as the language
+    allows, ran out of memory at 40 tokens)."""
+    return Frame(offset, q_len, k_len, batch, min(block, k_len))
+
+
 class Frame(NamedTuple):
     """Where the query rows lie among the key rows: batch row b's queries are its keys
     [offset, offset + q_len) -- all of them, unless the queries are one shard of the sequence
@@ -86,7 +94,7 @@ class Frame(NamedTuple):
     q_len: int
     k_len: int
     batch: int
-    block: int  # the pattern's block size: rows per query tile
+    block: int  # the pattern's block size, at most k_len (frame()): rows per query tile
 
     @property
     def sharded(self):
@@ -510,6 +518,9 @@ def topk_selection(
     heads_kv = k_cmp.shape[1]
     tiles, placement = query_tiles(cu_seqlens, frame)
     most = max((frame.k_len - cmp_block) // cmp_stride + 1, 1)
+    # A block past the keys is every sequence's only block, as the first multiple of the stride
+    # past them is (its importance then ranks nothing): scores of that width, not of the block's.
+    sel_block = min(sel_block, -(-frame.k_len // cmp_stride) * cmp_stride)
     num_sel = -(-frame.k_len // sel_block)
     forced_indices, forced_counts = (jnp.asarray(part) for part in forced_table)
     q_tiles = lax.stop_gradient(tile_rows(queries, tiles, frame, heads_kv))
