@@ -108,7 +108,8 @@ def compressed(branch: p.CompressBranch, k, v):
     seq_len = k.shape[1]
     count = (seq_len - branch.block) // branch.stride + 1 if seq_len >= branch.block else 0
     starts = np.arange(count) * branch.stride
-    windows = starts[:, None] + np.arange(branch.block)  # [C, block]: the key rows each compressed key pools
+    # [C, block]: the key rows each compressed key pools (none where the block is past the sequence)
+    windows = starts[:, None] + np.arange(min(branch.block, seq_len))
     k_cmp, v_cmp = (np.asarray(x, np.float64)[:, windows].mean(axis=2) for x in (k, v))
     visible = starts[None, :] + branch.block - 1 <= np.arange(seq_len)[:, None]
     return k_cmp, v_cmp, visible[None, None]
