@@ -165,26 +165,6 @@ def test_learned_pooling_is_traced_into_the_kernel(rng):
         attn(q, k, v, g_cmp=g["cmp"], g_slc=g["slc"])
 
 
-def test_a_count_past_every_rows_blocks_takes_them_all(rng):
-    """topk(n) with n past the sequence's blocks selects each row's every block, whatever n is:
-    the same output and selections as n = the blocks, the selections padded with -1 to n; a count
-    at the language's limit (2**31 - 1) made arrays of that width and aborted the process."""
-    q, k, v = qkv(rng, 1, 70, 4, 2, 16)  # 5 blocks of 16
-    g_slc = gate(rng, 1, 70, 4)
-    text = "pattern p\nblock 16\nbranch cmp = compress(block=16)\nbranch slc = topk({n}, block=16, score=cmp) gate g_slc\n"
-    every = nsa_dsl.compile(text.format(n=5))
-    want = np.asarray(every(q, k, v, g_slc=g_slc, platform="xla"))
-    assert np.abs(want).max() > 0
-    for count in (9, 2**31 - 1):
-        got = np.asarray(nsa_dsl.compile(text.format(n=count))(q, k, v, g_slc=g_slc, platform="xla"))
-        np.testing.assert_array_equal(got, want)
-    wide = nsa_dsl.compile(text.format(n=9)).selections(q, k, v, platform="xla")["slc"]
-    narrow = every.selections(q, k, v, platform="xla")["slc"]
-    assert wide.shape == (1, 70, 2, 9)
-    np.testing.assert_array_equal(wide[..., :5], narrow)
-    assert (np.asarray(wide[..., 5:]) == -1).all()
-
-
 @pytest.mark.parametrize(
     ("huge", "usual"),
     [

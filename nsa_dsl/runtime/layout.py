@@ -232,6 +232,18 @@ def sequence_blocks(offsets: jax.Array, total: int, block: int, queries: QueryRo
     return Blocks(first, end_row, start, end, seq_first, first_block.astype(jnp.int32))
 
 
+def selection_width(count: int, keys: int, block: int) -> int:
+    """The entries a top-`count` selection of `block`-row blocks needs where no sequence is longer
+    than `keys` rows: no more than it has blocks (a count past them, up to the language's 2**31 - 1,
+    made arrays too large to shape)."""
+    return min(count, -(-keys // block))
+
+
+def padded_entries(selected: jax.Array, count: int) -> jax.Array:
+    """selected [..., S] with -1 entries up to `count` (>= S): a selection at its full width."""
+    return jnp.pad(selected, [(0, 0)] * (selected.ndim - 1) + [(0, count - selected.shape[-1])], constant_values=-1)
+
+
 def clean_selection(block_indices, block_counts, row_info: Rows, block: int) -> jax.Array:
     """block_indices [N, HKV, S] with every ignored entry replaced by -1: entries past
     block_counts, negative ids, ids past the row's block (selection is causal), repeats of an

@@ -500,11 +500,6 @@ def top_blocks(scores, last_block, forced, count):
     return jnp.where(best > -jnp.inf, index, -1)
 
 
-def padded_entries(selected, count):
-    """selected [..., S] with -1 entries up to `count` (>= S): a selection's full width."""
-    return jnp.pad(selected, [(0, 0)] * (selected.ndim - 1) + [(0, count - selected.shape[-1])], constant_values=-1)
-
-
 def topk_selection(
     queries, pooled, cu_seqlens, frame, forced_table, *, count, cmp_block, cmp_stride, sel_block, query_block,
     chunk_bytes,
