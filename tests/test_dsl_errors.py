@@ -146,6 +146,13 @@ SEMANTIC = [
     ("pattern p\nblock 48\nbranch b = local(1)", "block size must be a power of two >= 16, got 48", 2, 7, None),
     ("pattern p\nblock 8\nbranch b = local(1)", "block size must be a power of two >= 16, got 8", 2, 7, None),
     (
+        "pattern p\nblock 1073741824\nbranch b = local(1)",
+        "block size must be at most 2**29, the longest sequence nsa_dsl runs, got 1073741824",
+        2,
+        7,
+        None,
+    ),
+    (
         "pattern p\nblock 64.0\nbranch b = local(1)",
         "block size must be an integer, got a float (64.0)",
         2,
@@ -173,6 +180,13 @@ SEMANTIC = [
         None,
     ),
     (HEAD + "branch b = compress(0)", "compress() argument 'block' must be >= 1, got 0", 3, 21, None),
+    (
+        HEAD + "branch b = compress(536870913)",
+        "compress() argument 'block' must be at most 2**29, the longest sequence nsa_dsl runs, got 536870913",
+        3,
+        21,
+        None,
+    ),
     (
         HEAD + "branch b = compress(16, stride=32)",
         "compress() stride (32) must be <= block (16): windows would leave gaps",
@@ -417,6 +431,13 @@ SEMANTIC = [
     (
         CMP + "branch b = topk(4, block=8, score=cmp)",
         "topk() argument 'block' must be a power of two >= 16, got 8",
+        4,
+        26,
+        None,
+    ),
+    (
+        CMP + "branch b = topk(4, block=1073741824, score=cmp)",
+        "topk() argument 'block' must be at most 2**29, the longest sequence nsa_dsl runs, got 1073741824",
         4,
         26,
         None,

@@ -503,6 +503,14 @@ class _PatternChecker:
         value = self.size(node, scope, 0, what, 1)
         if value < minimum or value & (value - 1):
             raise self.error(node, f"{what} must be a power of two >= {minimum}, got {value}")
+        return self.not_past_a_sequence(node, what, value)
+
+    def not_past_a_sequence(self, node: ast.Expr, what: str, value: int) -> int:
+        """`value`, a block's rows, if no longer than the longest sequence the kernels run: a
+        longer one (2**30, say) made some platforms build arrays of its length that XLA could not
+        even shape, aborting the process."""
+        if value > model.MAX_TOKENS:
+            raise self.error(node, f"{what} must be at most 2**29, the longest sequence nsa_dsl runs, got {value}")
         return value
 
     # ---- branches --------------------------------------------------------------------------
@@ -580,7 +588,8 @@ class _PatternChecker:
             node = self.branch_decls[name].value
             args = self.bind(node)
             scope = _Scope()
-            block = self.size(args["block"], scope, 1, "compress() argument 'block'", 1)
+            what = "compress() argument 'block'"
+            block = self.not_past_a_sequence(args["block"], what, self.size(args["block"], scope, 1, what, 1))
             stride = (
                 block
                 if args["stride"] is None

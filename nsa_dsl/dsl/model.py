@@ -127,3 +127,6 @@ class Pattern:
 
 
 BUILTIN_GATES = ("g_cmp", "g_slc", "g_swa")
+# The longest sequence the kernels run: their int32 positions plus a clamped extent stay in range.
+# A block may be no longer (it would be a sequence's one block at any length they run).
+MAX_TOKENS = 1 << 29

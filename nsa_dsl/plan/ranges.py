@@ -29,11 +29,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..dsl.model import Global, KeySet, Local, Stride, Union, Window
+from ..dsl.model import MAX_TOKENS, Global, KeySet, Local, Stride, Union, Window
 from .plan import Plan, StaticBranch, StaticKeys, TopKBranch
 
-# Positions a range kernel handles: sequences are shorter, and sums of two clamped extents fit int32.
-MAX_TOKENS = 1 << 29
 # A range launch whose queries see at most this many keys (beyond a global prefix) is "near".
 NEAR_KEYS = 2048
 
