@@ -470,6 +470,13 @@ SEMANTIC = [
         17,
         "count includes the forced blocks: use at least topk(4, ...)",
     ),
+    (  # a sequence of the longest the kernels run (2**29 tokens) has 2**23 blocks of 64
+        CMP + "branch b = topk(3, score=cmp, force=global(2147483647) | local(2147483647))",
+        "topk(3) cannot hold the 8388608 blocks force= always adds",
+        4,
+        17,
+        "count includes the forced blocks: use at least topk(8388608, ...)",
+    ),
     (
         HEAD + "bidirectional\nbranch cmp = compress(32, 16)",
         "compress() needs a causal pattern: compressed blocks and top-k selection are defined "

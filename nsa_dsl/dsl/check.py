@@ -665,7 +665,9 @@ class _PatternChecker:
         force = None
         if args["force"] is not None:
             force = self.keyset(args["force"], _Scope(block_level=True), 1, "topk() force=")
-            forced = _always_forced(force)
+            # No sequence has more blocks than the longest the kernels run (past that, a bigger
+            # force set adds nothing, and the hint would name a count the language refuses).
+            forced = min(_always_forced(force), -(-model.MAX_TOKENS // block))
             if count < forced:
                 raise self.error(
                     args["count"],
