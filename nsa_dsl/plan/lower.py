@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..dsl import model
 from ..errors import NsaSemanticError
 from . import plan as p
-from .ranges import MAX_TOKENS
+from .ranges import MAX_TOKENS, clamped_atom
 
 # Bits of an int32 table entry that name block atoms (the sign bit stays clear).
 MAX_BLOCK_ATOMS = 31
@@ -60,16 +60,13 @@ def lower_keys(keys: model.KeySet) -> p.StaticKeys:
 
 
 def _clamped(keys: model.KeySet) -> model.KeySet:
-    """`keys` with window and local extents past MAX_TOKENS cut to it: the same keys in every
-    sequence a kernel runs, and position + extent stays within int32 in tables and token masks
-    (window(1, 2**31 - 1) would otherwise wrap to negative positions and see nothing)."""
+    """`keys` with its atoms' extents cut as the range kernels cut them (ranges.clamped_atom; the
+    block size is not known here, so by MAX_TOKENS blocks): tables and token masks then keep
+    position + extent within int32 (window(1, 2**31 - 1) wrapped to negative positions and saw
+    nothing)."""
     match keys:
-        case model.Window(left, right):
-            return model.Window(min(left, MAX_TOKENS), min(right, MAX_TOKENS))
-        case model.Local(before, after):
-            return model.Local(min(before, MAX_TOKENS), min(after, MAX_TOKENS))
         case model.Union(parts) | model.Intersection(parts):
             return type(keys)(tuple(_clamped(x) for x in parts))
         case model.Difference(left, right):
             return model.Difference(_clamped(left), _clamped(right))
-    return keys
+    return clamped_atom(keys, MAX_TOKENS)

@@ -70,7 +70,7 @@ def key_ranges(static: StaticKeys, block_size: int, causal: bool) -> KeyRanges |
     if parts is None:
         return None
     blocks = MAX_TOKENS // block_size  # more key blocks than any sequence has
-    parts = [_clamped(part, blocks) for part in parts]
+    parts = [clamped_atom(part, blocks) for part in parts]
     if any(_every_key(part, blocks, causal) for part in parts):
         return EVERY_KEY
     windows = [x for x in parts if isinstance(x, Window)]
@@ -103,9 +103,10 @@ def _union_parts(keys: KeySet) -> list[KeySet] | None:
     return None
 
 
-def _clamped(part: KeySet, blocks: int) -> KeySet:
+def clamped_atom(part: KeySet, blocks: int) -> KeySet:
     """`part` with extents past MAX_TOKENS (`blocks` key blocks) cut to it: the same keys in
-    every sequence a kernel runs."""
+    every sequence a kernel runs, and a position plus an extent within int32. Other atoms as
+    they are."""
     match part:
         case Window(left, right):
             return Window(min(left, MAX_TOKENS), min(right, MAX_TOKENS))
@@ -115,7 +116,7 @@ def _clamped(part: KeySet, blocks: int) -> KeySet:
             return Global(min(first, blocks))
         case Stride(every, offset):  # past `blocks`, a progression has no further member in a sequence
             return Stride(min(every, blocks), min(offset, blocks))
-    raise TypeError(f"not a range atom: {part!r}")
+    return part
 
 
 def _every_key(part: KeySet, blocks: int, causal: bool) -> bool:
