@@ -296,12 +296,54 @@ def test_blocks_past_the_sequence_match_the_reference(text):
     assert report.ok, str(report)
 
 
-@pytest.mark.parametrize("platform", ["xla", "pallas"])
+# Each a pattern with a block past 40 tokens, as the language allows (2**29 rows), and the same
+# pattern with a block just past them.
+_PAST_THE_SEQUENCE = {
+    # a pattern block past the keys: every sequence is its block 0
+    "pattern block": ("pattern p\nblock 536870912\nbranch w = local(1) | window(4)\n",
+                      "pattern p\nblock 64\nbranch w = local(1) | window(4)\n"),
+    # a compress block past the keys: it pools nothing
+    "compress block": (
+        "pattern p\nblock 16\nbranch w = window(8) gate g_swa\nbranch c = compress(block=536870912) gate g_cmp\n",
+        "pattern p\nblock 16\nbranch w = window(8) gate g_swa\nbranch c = compress(block=48) gate g_cmp\n",
+    ),
+    # a selection block past the keys: block 0 holds them all
+    "selection block": (
+        "pattern p\nblock 16\nbranch c = compress(block=16)\nbranch s = topk(3, block=536870912, score=c) gate g_slc\n",
+        "pattern p\nblock 16\nbranch c = compress(block=16)\nbranch s = topk(3, block=64, score=c) gate g_slc\n",
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("platform", "case"),
+    # Pallas' static kernels tile queries by the pattern's block, which is not fitted to the keys
+    # (NOTES, open problems): that case raises (out of memory) there.
+    [(platform, case) for platform in ("xla", "triton", "pallas") for case in _PAST_THE_SEQUENCE
+     if (platform, case) != ("pallas", "pattern block")],
+)
+def test_sizes_past_the_sequence_act_as_its_length(rng, platform, case):
+    """Blocks past the sequence give the output of the same pattern with a block just past it:
+    their gathers, tiles and scores took the block's length, and ran out of memory, hung, or
+    made tiles no kernel compiles."""
+    huge, usual = _PAST_THE_SEQUENCE[case]
+    q, k, v = qkv(rng, 2, 40, 4, 2, 16)
+    gates = {name: gate(rng, 2, 40, 4) for name in ("g_swa", "g_cmp", "g_slc") if name in huge}
+    want = np.asarray(nsa_dsl.compile(usual)(q, k, v, platform=platform, **gates))
+    assert np.abs(want).max() > 0
+    got = np.asarray(nsa_dsl.compile(huge)(q, k, v, platform=platform, **gates))
+    if platform == "xla":  # the same gathers and sums: exactly
+        np.testing.assert_array_equal(got, want)
+    else:  # the kernels' tiles (and their sums' order) follow the block
+        assert_close(got, want, FORWARD_TOLERANCE, case)
+
+
+@pytest.mark.parametrize("platform", ["xla", "pallas", "triton"])
 def test_a_count_past_every_rows_blocks_takes_them_all(rng, platform):
     """topk(n) with n past the sequence's blocks selects each row's every block, whatever n is:
     the same output and selections as n = the blocks, the selections padded with -1 to n; a count
-    at the language's limit (2**31 - 1) made arrays of that width and aborted the process. (On
-    platform="triton" such a count raises: its kernels take the count as a tile width.)"""
+    at the language's limit (2**31 - 1) made arrays of that width and aborted the process (XLA,
+    Pallas), or overflowed the kernel's int32 offsets (Triton)."""
     q, k, v = qkv(rng, 1, 70, 4, 2, 16)  # 5 blocks of 16
     g_slc = gate(rng, 1, 70, 4)
     text = "pattern p\nblock 16\nbranch cmp = compress(block=16)\nbranch slc = topk({n}, block=16, score=cmp) gate g_slc\n"

@@ -163,29 +163,3 @@ def test_learned_pooling_is_traced_into_the_kernel(rng):
 
     with pytest.raises(ValueError, match="pool_fns"):
         attn(q, k, v, g_cmp=g["cmp"], g_slc=g["slc"])
-
-
-@pytest.mark.parametrize(
-    ("huge", "usual"),
-    [
-        # a pattern block past the keys: every sequence is its block 0
-        ("pattern p\nblock 536870912\nbranch w = local(1) | window(4)\n",
-         "pattern p\nblock 64\nbranch w = local(1) | window(4)\n"),
-        # a compress block past the keys: it pools nothing
-        ("pattern p\nblock 16\nbranch w = window(8) gate g_swa\nbranch c = compress(block=536870912) gate g_cmp\n",
-         "pattern p\nblock 16\nbranch w = window(8) gate g_swa\nbranch c = compress(block=48) gate g_cmp\n"),
-        # a selection block past the keys: block 0 holds them all
-        ("pattern p\nblock 16\nbranch c = compress(block=16)\nbranch s = topk(3, block=536870912, score=c) gate g_slc\n",
-         "pattern p\nblock 16\nbranch c = compress(block=16)\nbranch s = topk(3, block=64, score=c) gate g_slc\n"),
-    ],
-    ids=["pattern block", "compress block", "selection block"],
-)
-def test_sizes_past_the_sequence_act_as_its_length(rng, huge, usual):
-    """Blocks of up to 2**29 rows, as the language allows, on 40 tokens: the output of the
-    same pattern with a block just past the sequence (their gathers and tiles took the block's
-    length and ran out of memory, or hung)."""
-    q, k, v = qkv(rng, 2, 40, 4, 2, 16)
-    gates = {name: gate(rng, 2, 40, 4) for name in ("g_swa", "g_cmp", "g_slc") if name in huge}
-    want = np.asarray(nsa_dsl.compile(usual)(q, k, v, platform="xla", **gates))
-    assert np.abs(want).max() > 0
-    np.testing.assert_array_equal(np.asarray(nsa_dsl.compile(huge)(q, k, v, platform="xla", **gates)), want)

@@ -232,11 +232,23 @@ def sequence_blocks(offsets: jax.Array, total: int, block: int, queries: QueryRo
     return Blocks(first, end_row, start, end, seq_first, first_block.astype(jnp.int32))
 
 
-def selection_width(count: int, keys: int, block: int) -> int:
-    """The entries a top-`count` selection of `block`-row blocks needs where no sequence is longer
-    than `keys` rows: no more than it has blocks (a count past them, up to the language's 2**31 - 1,
-    made arrays too large to shape)."""
-    return min(count, -(-keys // block))
+def fitted_block(block: int, keys: int, multiple: int = 1) -> int:
+    """A block of `block` rows as kernels take it where no sequence is longer than `keys` rows:
+    at most the first multiple of `multiple` at or past `keys`. A longer block is every sequence's
+    only block (id 0, holding each of its keys), as that one is, and tiles, gathers or scores of its
+    length would only pad it: the language allows blocks of 2**29 rows, which ran out of memory,
+    or made tiles no kernel compiles, on a sequence of 40."""
+    return min(block, -(-keys // multiple) * multiple)
+
+
+def fitted_selection(count: int, block: int, stride: int, keys: int) -> tuple[int, int]:
+    """(entries, block) of a top-`count` selection of `block`-row blocks, scored from compressed
+    keys of `stride` rows, where no sequence is longer than `keys` rows: the block fitted
+    (fitted_block; a multiple of the stride, as Eq. 9's units are), and no more entries than
+    that leaves blocks (a count past them, up to the language's 2**31 - 1, made arrays too large
+    to shape, or overflowed int32 offsets)."""
+    block = fitted_block(block, keys, stride)
+    return min(count, -(-keys // block)), block
 
 
 def padded_entries(selected: jax.Array, count: int) -> jax.Array:

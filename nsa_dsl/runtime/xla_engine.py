@@ -76,11 +76,8 @@ def schedule(keys_for, *, items, rows, heads_q, heads_kv, head_dim, steps, block
 
 
 def frame(offset, q_len: int, k_len: int, batch: int, block: int) -> Frame:
-    """The Frame of a call of `block`-row blocks, its block at most the keys' length: a longer
-    block is a sequence's one block (id 0, holding every key) as a block of k_len rows is, and
-    tiles and gathers of its length would only pad that (a block of 2**30 rows, as the language
-    allows, ran out of memory at 40 tokens)."""
-    return Frame(offset, q_len, k_len, batch, min(block, k_len))
+    """The Frame of a call of `block`-row blocks, its block fitted to the keys (layout.fitted_block)."""
+    return Frame(offset, q_len, k_len, batch, layout.fitted_block(block, k_len))
 
 
 class Frame(NamedTuple):
@@ -491,12 +488,11 @@ def selection_scores(q, k_cmp, count, q_pos, length, cmp_block, cmp_stride, sel_
 
 def top_blocks(scores, last_block, forced, count):
     """The `count` best blocks among 0..last_block per row, forced ones first, lower ids first
-    on ties; -1 where fewer exist. scores [..., S], last_block / forced broadcastable. At most S
-    of them, [..., min(count, S)]: entries past a row's blocks would all be -1 (and a count far
-    past them, e.g. topk(2**31 - 1), made arrays XLA could not even shape)."""
+    on ties; -1 where fewer exist. scores [..., S] (S >= count: layout.fitted_selection),
+    last_block / forced broadcastable -> [..., count]."""
     block = jnp.arange(scores.shape[-1])
     ranked = jnp.where(block <= last_block[..., None], jnp.where(forced, jnp.inf, scores), -jnp.inf)
-    best, index = lax.top_k(ranked, min(count, scores.shape[-1]))
+    best, index = lax.top_k(ranked, count)
     return jnp.where(best > -jnp.inf, index, -1)
 
 
@@ -504,7 +500,7 @@ def topk_selection(
     queries, pooled, cu_seqlens, frame, forced_table, *, count, cmp_block, cmp_stride, sel_block, query_block,
     chunk_bytes,
 ):
-    """Selected blocks [Nq, HKV, min(count, blocks of the keys)] (ids of sel_block-token blocks of
+    """Selected blocks [Nq, HKV, count fitted to the keys] (ids of sel_block-token blocks of
     each query's sequence, -1 unused) from queries [Nq, HQ, D] (scaled) and a compress branch's layout.pool_compressed,
     scoring as many tiles at once as keep their float32 scores near `chunk_bytes`.
     Every query of a `query_block` group must be among the queries (the runtime sees to it)."""
@@ -513,9 +509,7 @@ def topk_selection(
     heads_kv = k_cmp.shape[1]
     tiles, placement = query_tiles(cu_seqlens, frame)
     most = max((frame.k_len - cmp_block) // cmp_stride + 1, 1)
-    # A block past the keys is every sequence's only block, as the first multiple of the stride
-    # past them is (its importance then ranks nothing): scores of that width, not of the block's.
-    sel_block = min(sel_block, -(-frame.k_len // cmp_stride) * cmp_stride)
+    count, sel_block = layout.fitted_selection(count, sel_block, cmp_stride, frame.k_len)
     num_sel = -(-frame.k_len // sel_block)
     forced_indices, forced_counts = (jnp.asarray(part) for part in forced_table)
     q_tiles = lax.stop_gradient(tile_rows(queries, tiles, frame, heads_kv))
@@ -537,7 +531,7 @@ def topk_selection(
             jnp.arange(forced_indices.shape[1]) < forced_counts[row][:, None], forced_indices[row], -1
         )
         forced = (jnp.arange(num_sel)[None, :, None] == forced_ids[:, None, :]).any(axis=-1)  # [groups, num_sel]
-        chosen = top_blocks(scores, group_last // sel_block, forced[None], count)  # [HKV, groups, <= count]
+        chosen = top_blocks(scores, group_last // sel_block, forced[None], count)  # [HKV, groups, count]
         return jnp.repeat(chosen, query_block, axis=1)  # [HKV, rows, count]
 
     heads = queries.shape[1]
