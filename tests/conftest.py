@@ -241,16 +241,16 @@ def assert_close(actual, expected, tolerance: float, what: str = "") -> None:
     assert error <= tolerance, f"{what}: relative error {error:.3e} > {tolerance:.1e}"
 
 
-def assert_scale_gradient_close(actual, expected, q, d_q, scale, tolerance: float) -> None:
+def assert_scale_gradient_close(actual, expected, q, d_q, scale, tolerance: float, least: float = 0.0) -> None:
     """d loss / d softmax_scale against the reference's `expected`. The kernels return sum(q . dq) /
     scale summed over dq stored in q's dtype (layout.scale_cotangent), and that sum cancels (its
     terms' magnitudes add up to ~30x the total at these shapes): besides `tolerance` relative to the
-    value it may err by what storing dq rounds away, the dtype's unit roundoff times
-    sum |q . d_q| / |scale| (d_q: the reference's)."""
+    value (or to `least`, where that is larger) it may err by what storing dq rounds away, the
+    dtype's unit roundoff times sum |q . d_q| / |scale| (d_q: the reference's)."""
     q = np.asarray(q)
     roundoff = float(jax.numpy.finfo(q.dtype).eps) / 2  # jax.numpy: bfloat16 too
     floor = roundoff * float(np.sum(np.abs(q.astype(np.float64) * np.asarray(d_q, np.float64)))) / abs(float(scale))
-    allowed = tolerance * abs(float(expected)) + floor
+    allowed = tolerance * max(abs(float(expected)), least) + floor
     error = abs(float(actual) - float(expected))
     assert error <= allowed, (f"d softmax_scale: {float(actual):.6g} against {float(expected):.6g}, "
                               f"error {error:.3e} > {allowed:.3e}")

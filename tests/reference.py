@@ -74,7 +74,7 @@ def attention(q, k, v, mask, scale, xp=np):
     v = xp.repeat(v, group, axis=2)
     mask = xp.repeat(xp.asarray(mask), group, axis=1) if mask.shape[1] == heads_kv else xp.asarray(mask)
     logits = xp.einsum("bthd,bshd->bhts", q, k) * scale
-    row_max = xp.max(xp.where(mask, logits, -xp.inf), axis=-1, keepdims=True)
+    row_max = xp.max(xp.where(mask, logits, -xp.inf), axis=-1, keepdims=True, initial=-xp.inf)  # no keys: none seen
     row_max = xp.where(xp.isfinite(row_max), row_max, 0.0)
     weights = xp.exp(xp.where(mask, logits - row_max, -xp.inf))  # exactly 0 off the mask, grads too
     total = weights.sum(axis=-1, keepdims=True)

@@ -92,6 +92,7 @@ class Frame(NamedTuple):
     k_len: int
     batch: int
     block: int  # the pattern's block size, at most k_len (frame()): rows per query tile
+    group: int = 1  # a tile holds whole groups of this many queries (a top-k per block(Q)); divides block
 
     @property
     def sharded(self):
@@ -99,15 +100,21 @@ class Frame(NamedTuple):
 
     @property
     def rows(self) -> int:
-        """Query rows per tile: the block, or for a shard of fewer rows the smallest divisor of the
-        block that holds them (a decoding step's single query: 1), so that a tile is not mostly
-        rows that hold no query."""
+        """Query rows per tile: the block, or for fewer queries the smallest divisor of the block
+        that holds them and whole groups (a decoding step's single query: 1), so that a tile is
+        not mostly rows that hold no query."""
         if self.q_len >= self.block:
             return self.block
         # The divisors in pairs (i, block // i) up to sqrt(block): a walk up to the block itself
         # took minutes for a block of 2**30 rows.
         pairs = ((i, self.block // i) for i in range(1, math.isqrt(self.block) + 1) if self.block % i == 0)
-        return min(d for pair in pairs for d in pair if d >= self.q_len)
+        return min(d for pair in pairs for d in pair if d >= self.q_len and d % self.group == 0)
+
+    def grouped(self, group: int) -> Frame:
+        """This frame with tiles of whole groups of `group` queries: its block rounded up to a
+        multiple of the group, which the pattern's block is (a block fitted to short keys,
+        frame(), may not be)."""
+        return self._replace(block=-(-self.block // group) * group, group=group)
 
     def offset_of(self, batch_rows):
         """The offset of each of `batch_rows` (clamped into the batch)."""
@@ -134,7 +141,7 @@ class Frame(NamedTuple):
 
     def whole(self) -> Frame:
         """The frame of queries at every key row."""
-        return Frame(0, self.k_len, self.k_len, self.batch, self.block)
+        return Frame(0, self.k_len, self.k_len, self.batch, self.block, self.group)
 
     def own_rows(self, x):
         """x [batch * k_len, ...] per key row -> [batch * q_len, ...] for this frame's queries."""
@@ -504,6 +511,7 @@ def topk_selection(
     each query's sequence, -1 unused) from queries [Nq, HQ, D] (scaled) and a compress branch's layout.pool_compressed,
     scoring as many tiles at once as keep their float32 scores near `chunk_bytes`.
     Every query of a `query_block` group must be among the queries (the runtime sees to it)."""
+    frame = frame.grouped(query_block)
     rows = frame.rows
     k_cmp, _, cmp_offsets = pooled
     heads_kv = k_cmp.shape[1]

@@ -1,0 +1,222 @@
+"""Random patterns, written as .nsa text, against the float64 references on every platform.
+
+Hypothesis draws a pattern and the shapes it runs on (odd lengths, batches or packed sequences
+with rows past the last one, GQA groups of 1 to 16, head dims that are no power of two); the
+pattern goes through the whole pipeline (parse, lower, render, compile). The hand-written tests
+pin the cases we thought of; these look for the ones we did not.
+- Static patterns (block size, causality, one to three branches of nested key-set algebra over
+  every atom kind, gated or not): the output and the gradients of q, k, v, the softmax scale and
+  the gates against tests/reference.py, which evaluates the pattern densely from its meaning
+  (plan.oracle) and knows nothing of tables, ranges or kernels.
+- Native Sparse Attention (compression block and stride, selection block and count, forced
+  blocks, `per block(Q)`, a sliding window or none): selections, output and gradients against
+  tests/nsa_reference.py, written from the paper's equations (tests/nsa_check.py).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import reference
+from conftest import assert_scale_gradient_close
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from nsa_check import check_against_reference
+from nsa_reference import NsaSpec
+
+import nsa_dsl
+
+# float32 kernels against float64: accumulation error only (the interpreters' tiles included).
+TOLERANCE = 5e-5
+# Examples a run, per platform: the interpreters run every program of a kernel one by one.
+EXAMPLES = {"xla": 16, "triton": 6, "pallas": 5}
+NSA_EXAMPLES = {"xla": 8, "triton": 4, "pallas": 3}
+
+
+def _window(draw) -> str:
+    left = draw(st.integers(0, 40))
+    right = draw(st.integers(1 if left == 0 else 0, 12))
+    return f"window({left}, right={right})" if right else f"window({left})"
+
+
+def _local(draw) -> str:
+    before = draw(st.integers(0, 3))
+    after = draw(st.integers(1 if before == 0 else 0, 2))
+    return f"local({before}, after={after})" if after else f"local({before})"
+
+
+def _stride(draw) -> str:
+    every = draw(st.integers(1, 4))
+    return f"stride(every={every}, offset={draw(st.integers(0, every - 1))})"
+
+
+def _blocks(draw) -> str:
+    ids = sorted(set(draw(st.lists(st.integers(0, 6), min_size=1, max_size=3))))
+    return f"blocks({', '.join(map(str, ids))})"
+
+
+_ATOMS = (
+    _window,
+    _local,
+    _stride,
+    lambda draw: f"global(first={draw(st.integers(1, 3))})",
+    _blocks,
+    lambda draw: f"random({draw(st.integers(1, 3))}, seed={draw(st.integers(0, 999))})",
+)
+
+
+def _key_set(draw, depth: int) -> str:
+    if depth == 0 or draw(st.booleans()):
+        return draw(st.sampled_from(_ATOMS))(draw)
+    operator = draw(st.sampled_from(["|", "&", "-"]))
+    parts = [_key_set(draw, depth - 1) for _ in range(2 if operator == "-" else draw(st.integers(2, 3)))]
+    return "(" + f" {operator} ".join(parts) + ")"
+
+
+@st.composite
+def patterns(draw) -> str:
+    """A pattern's .nsa text: each branch ungated, gated, or gated with a default."""
+    branches = draw(st.integers(1, 3))
+    lines = ["pattern fuzz", f"block {draw(st.sampled_from([16, 32]))}", draw(st.sampled_from(["causal", "bidirectional"]))]
+    lines += [f"gate g{index}" for index in range(branches)]
+    for index in range(branches):
+        gate = draw(st.sampled_from(["", f" gate g{index}", f" gate g{index} default 0.5"]))
+        lines.append(f"branch b{index} = {_key_set(draw, 2)}{gate}")
+    return "\n".join(lines) + "\n"
+
+
+@st.composite
+def shapes(draw) -> dict:
+    """batch, seq_len, heads, head_dim and cu_seqlens (None, or packed sequences of one batch row,
+    rows past the last one belonging to none)."""
+    seq_len = draw(st.integers(1, 80))
+    heads_kv = draw(st.sampled_from([1, 2]))
+    group = draw(st.sampled_from([1, 2, 3, 5, 16]))
+    cu_seqlens = None
+    batch = draw(st.integers(1, 2))
+    if draw(st.booleans()):
+        batch = 1
+        cuts = sorted(draw(st.lists(st.integers(0, seq_len), max_size=3)))
+        end = draw(st.sampled_from([seq_len, cuts[-1] if cuts else seq_len]))
+        cu_seqlens = np.array([0, *[c for c in cuts if c <= end], end], np.int32)
+    return {"batch": batch, "seq_len": seq_len, "heads_kv": heads_kv, "heads_q": heads_kv * group,
+            "head_dim": draw(st.sampled_from([8, 12, 20, 32])), "cu_seqlens": cu_seqlens,
+            "seed": draw(st.integers(0, 2**32 - 1))}
+
+
+def assert_close(actual, expected, what: str) -> None:
+    """Within TOLERANCE of the larger of max |expected| and 1 (the inputs are standard normal):
+    a drawn pattern may leave a gradient exactly zero (a query seeing one key has dq = 0), where
+    the kernels' rounding is not."""
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    assert actual.shape == expected.shape and np.isfinite(actual).all(), what
+    error = np.abs(actual - expected).max(initial=0.0) / max(np.abs(expected).max(initial=0.0), 1.0)
+    assert error <= TOLERANCE, f"{what}: error {error:.3e} > {TOLERANCE:.1e}"
+
+
+def check(text: str, shape: dict, platform: str) -> None:
+    attention = nsa_dsl.compile(text)
+    plan = attention.plan
+    rng = np.random.default_rng(shape["seed"])
+    batch, seq_len, heads_q, heads_kv, head_dim = (shape[n] for n in ("batch", "seq_len", "heads_q", "heads_kv", "head_dim"))
+    cu_seqlens = shape["cu_seqlens"]
+    q = rng.standard_normal((batch, seq_len, heads_q, head_dim)).astype(np.float32)
+    k, v = (rng.standard_normal((batch, seq_len, heads_kv, head_dim)).astype(np.float32) for _ in range(2))
+    # Gates without a default are passed (a branch whose gate is not passed is dropped); those
+    # with one, on every other example.
+    gates = {
+        b.gate.name: rng.uniform(0.25, 1.5, (batch, seq_len, heads_q)).astype(np.float32)
+        for b in plan.branches
+        if b.gate is not None and (b.gate.default is None or rng.random() < 0.5)
+    }
+    masks, branch_gates = [], []
+    for b in plan.branches:
+        masks.append(reference.static_mask(b.static, plan.block_size, plan.causal, batch, seq_len, cu_seqlens))
+        if b.gate is None:
+            branch_gates.append(None)
+        else:
+            branch_gates.append(gates.get(b.gate.name, np.full((batch, seq_len, heads_q), b.gate.default, np.float32)))
+    scale = 1.0 / np.sqrt(head_dim)
+    names = sorted(gates)
+
+    def run(q, k, v, softmax_scale, *gate_values):
+        return attention(q, k, v, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, platform=platform,
+                         **dict(zip(names, gate_values)))
+
+    out, pullback = jax.vjp(run, q, k, v, jnp.float32(scale), *(gates[n] for n in names))
+    expected = reference.forward(q, k, v, masks, branch_gates, scale)
+    assert_close(out, expected, "output")
+    d_out = rng.standard_normal(q.shape).astype(np.float32)
+    grads = pullback(jnp.asarray(d_out))
+    wanted = reference.gradients(q, k, v, masks, branch_gates, scale, d_out)
+    for name, actual in zip(("q", "k", "v"), grads):
+        assert_close(actual, wanted[name], f"d{name}")
+    assert_scale_gradient_close(grads[3], wanted["scale"], q, wanted["q"], scale, TOLERANCE, least=1.0)
+    for name, actual in zip(names, grads[4:]):
+        index = next(i for i, b in enumerate(plan.branches) if b.gate is not None and b.gate.name == name)
+        assert_close(actual, wanted["gates"][index], f"d{name}")
+
+
+@pytest.mark.parametrize("platform", sorted(EXAMPLES))
+def test_random_static_patterns_match_the_reference(platform):
+    @settings(max_examples=EXAMPLES[platform], deadline=None)
+    @given(text=patterns(), shape=shapes())
+    def one(text, shape):
+        check(text, shape, platform)
+
+    one()
+
+
+# Forced blocks: (the force= key set, the blocks it adds at most, whether selection block kb is
+# forced for a query group whose last query lies in selection block qb).
+_FORCES = (
+    ("local(1)", 1, lambda qb, kb: kb == qb),
+    ("local(2)", 2, lambda qb, kb: qb - 2 < kb <= qb),
+    ("global(first=1)", 1, lambda qb, kb: kb < 1),
+    ("blocks(1)", 1, lambda qb, kb: kb == 1),
+)
+
+
+@st.composite
+def nsa_patterns(draw) -> tuple[str, NsaSpec, tuple[str, ...]]:
+    """(source, its NsaSpec, the gates it declares) of a compress, a topk and maybe a window branch."""
+    stride = draw(st.sampled_from([4, 8, 16]))
+    cmp_block = stride * draw(st.sampled_from([1, 2]))
+    sel_block = draw(st.sampled_from([16, 32, 64]))  # a power of two >= 16, a multiple of the stride
+    forces = draw(st.lists(st.sampled_from(_FORCES), max_size=2, unique=True))
+    count = sum(size for _, size, _ in forces) + draw(st.integers(1, 3))
+    query_block = draw(st.sampled_from([1, 1, 2, 4, 16]))
+    window = draw(st.one_of(st.none(), st.integers(1, 40)))
+    force = f", force={' | '.join(text for text, _, _ in forces)}" if forces else ""
+    per = f" per block({query_block})" if query_block > 1 else ""
+    lines = [
+        "pattern fuzz_nsa", "block 16", "causal",
+        f"branch cmp = compress(block={cmp_block}, stride={stride}) gate g_cmp",
+        f"branch slc = topk({count}, block={sel_block}, score=cmp{force}) gate g_slc{per}",
+    ]
+    if window is not None:
+        lines.append(f"branch swa = window({window}) gate g_swa")
+    spec = NsaSpec(
+        compress_block=cmp_block, compress_stride=stride, select_count=count, select_block=sel_block,
+        query_block=query_block, window=window,
+        forced=lambda qb, kb: any(rule(qb, kb) for _, _, rule in forces),
+    )
+    return "\n".join(lines) + "\n", spec, ("cmp", "slc", "swa") if window is not None else ("cmp", "slc")
+
+
+@pytest.mark.parametrize("platform", sorted(NSA_EXAMPLES))
+def test_random_native_sparse_attention_matches_the_paper(platform):
+    @settings(max_examples=NSA_EXAMPLES[platform], deadline=None)
+    @given(pattern=nsa_patterns(), shape=shapes())
+    def one(pattern, shape):
+        source, spec, gates = pattern
+        cu_seqlens = shape["cu_seqlens"]
+        check_against_reference(
+            np.random.default_rng(shape["seed"]), source, spec, batch=shape["batch"], seq_len=shape["seq_len"],
+            heads_q=shape["heads_q"], heads_kv=shape["heads_kv"], head_dim=shape["head_dim"],
+            cu_seqlens=None if cu_seqlens is None else list(cu_seqlens), gates=gates, platform=platform,
+        )
+
+    one()
