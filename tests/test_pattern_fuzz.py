@@ -30,9 +30,17 @@ import nsa_dsl
 
 # float32 kernels against float64: accumulation error only (the interpreters' tiles included).
 TOLERANCE = 5e-5
-# Examples a run, per platform: the interpreters run every program of a kernel one by one.
-EXAMPLES = {"xla": 16, "triton": 6, "pallas": 5}
-NSA_EXAMPLES = {"xla": 8, "triton": 4, "pallas": 3}
+# The platforms, and the config each compiles with: Pallas' TPU variant (Mosaic kernels) runs in
+# the interpreter too.
+TARGETS = {
+    "xla": ("xla", None),
+    "triton": ("triton", None),
+    "pallas": ("pallas", None),
+    "pallas-tpu": ("pallas", nsa_dsl.NativeSparseAttentionConfig(backend="tpu")),
+}
+# Examples a run, per target: the interpreters run every program of a kernel one by one.
+EXAMPLES = {"xla": 16, "triton": 6, "pallas": 5, "pallas-tpu": 5}
+NSA_EXAMPLES = {"xla": 8, "triton": 4, "pallas": 3, "pallas-tpu": 3}
 
 
 def _window(draw) -> str:
@@ -116,8 +124,9 @@ def assert_close(actual, expected, what: str) -> None:
     assert error <= TOLERANCE, f"{what}: error {error:.3e} > {TOLERANCE:.1e}"
 
 
-def check(text: str, shape: dict, platform: str) -> None:
-    attention = nsa_dsl.compile(text)
+def check(text: str, shape: dict, target: str) -> None:
+    platform, config = TARGETS[target]
+    attention = nsa_dsl.compile(text, config=config)
     plan = attention.plan
     rng = np.random.default_rng(shape["seed"])
     batch, seq_len, heads_q, heads_kv, head_dim = (shape[n] for n in ("batch", "seq_len", "heads_q", "heads_kv", "head_dim"))
@@ -159,12 +168,12 @@ def check(text: str, shape: dict, platform: str) -> None:
         assert_close(actual, wanted["gates"][index], f"d{name}")
 
 
-@pytest.mark.parametrize("platform", sorted(EXAMPLES))
-def test_random_static_patterns_match_the_reference(platform):
-    @settings(max_examples=EXAMPLES[platform], deadline=None)
+@pytest.mark.parametrize("target", sorted(EXAMPLES))
+def test_random_static_patterns_match_the_reference(target):
+    @settings(max_examples=EXAMPLES[target], deadline=None)
     @given(text=patterns(), shape=shapes())
     def one(text, shape):
-        check(text, shape, platform)
+        check(text, shape, target)
 
     one()
 
@@ -206,9 +215,11 @@ def nsa_patterns(draw) -> tuple[str, NsaSpec, tuple[str, ...]]:
     return "\n".join(lines) + "\n", spec, ("cmp", "slc", "swa") if window is not None else ("cmp", "slc")
 
 
-@pytest.mark.parametrize("platform", sorted(NSA_EXAMPLES))
-def test_random_native_sparse_attention_matches_the_paper(platform):
-    @settings(max_examples=NSA_EXAMPLES[platform], deadline=None)
+@pytest.mark.parametrize("target", sorted(NSA_EXAMPLES))
+def test_random_native_sparse_attention_matches_the_paper(target):
+    platform, config = TARGETS[target]
+
+    @settings(max_examples=NSA_EXAMPLES[target], deadline=None)
     @given(pattern=nsa_patterns(), shape=shapes())
     def one(pattern, shape):
         source, spec, gates = pattern
@@ -216,7 +227,7 @@ def test_random_native_sparse_attention_matches_the_paper(platform):
         check_against_reference(
             np.random.default_rng(shape["seed"]), source, spec, batch=shape["batch"], seq_len=shape["seq_len"],
             heads_q=shape["heads_q"], heads_kv=shape["heads_kv"], head_dim=shape["head_dim"],
-            cu_seqlens=None if cu_seqlens is None else list(cu_seqlens), gates=gates, platform=platform,
+            cu_seqlens=None if cu_seqlens is None else list(cu_seqlens), gates=gates, platform=platform, config=config,
         )
 
     one()
