@@ -9,7 +9,15 @@ from dataclasses import replace
 import jax
 import jax.numpy as jnp
 import numpy as np
-from conftest import assert_close, assert_scale_gradient_close, gate, normal, qkv
+from conftest import (
+    VANISHING,
+    VANISHING_SCALE_GRADIENT,
+    assert_close,
+    assert_scale_gradient_close,
+    gate,
+    normal,
+    qkv,
+)
 from nsa_reference import chosen_scores, nsa_gradients, nsa_reference
 
 import nsa_dsl
@@ -75,7 +83,7 @@ def check_against_reference(rng, source, spec, *, batch, seq_len, heads_q, heads
     wanted = nsa_gradients(q, k, v, spec, g, kernel_chosen, d_out, scale=scale, cu_seqlens=cu)
     for name, actual in (("q", dq), ("k", dk), ("v", dv), *(("g_" + n, dg) for n, dg in zip(names, dgates))):
         assert actual.dtype == q.dtype
-        assert_close(actual, wanted[name], gradient_tolerance, f"d{name}")
+        assert_close(actual, wanted[name], gradient_tolerance, f"d{name}", least=VANISHING)
 
     # The scale and learned weights against central differences of the reference, for the
     # kernel's selection.
@@ -86,7 +94,8 @@ def check_against_reference(rng, source, spec, *, batch, seq_len, heads_q, heads
 
     step, w = 1e-4, spec.weights()
     numeric = (loss(w, scale + step) - loss(w, scale - step)) / (2 * step)
-    assert_scale_gradient_close(d_scale, numeric, q, wanted["q"], scale, gradient_tolerance)
+    assert_scale_gradient_close(d_scale, numeric, q, wanted["q"], scale, gradient_tolerance,
+                                least=VANISHING_SCALE_GRADIENT)
     if learned:
         numeric = [(loss(w + step * e, scale) - loss(w - step * e, scale)) / (2 * step) for e in np.eye(len(w))]
         assert_close(d_weights, np.array(numeric), gradient_tolerance, "d pooling weights")
