@@ -11,9 +11,13 @@ pin the cases we thought of; these look for the ones we did not.
 - Native Sparse Attention (compression block and stride, selection block and count, forced
   blocks, `per block(Q)`, a sliding window or none): selections, output and gradients against
   tests/nsa_reference.py, written from the paper's equations (tests/nsa_check.py).
+- native_sparse_attention's explicit selections (block size, entries, counts, ids out of range
+  and repeated): output and gradients against reference.selection_mask's dense attention.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +29,9 @@ from conftest import (
     VANISHING_SCALE_GRADIENT,
     assert_close,
     assert_scale_gradient_close,
+    gate,
+    qkv,
+    random_indices,
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -228,6 +235,55 @@ def test_random_native_sparse_attention_matches_the_paper(target):
             heads_q=shape["heads_q"], heads_kv=shape["heads_kv"], head_dim=shape["head_dim"],
             cu_seqlens=None if cu_seqlens is None else list(cu_seqlens), gates=gates, platform=platform, config=config,
         )
+
+    one()
+
+
+@st.composite
+def explicit_selections(draw) -> dict:
+    """native_sparse_attention's explicit selection: the block size, entries a token (S), and
+    block_counts as one int or per token (negative, and past S, included)."""
+    return {"block": draw(st.sampled_from([16, 32, 64])), "width": draw(st.integers(1, 6)),
+            "per_token_counts": draw(st.booleans())}
+
+
+@pytest.mark.parametrize("target", sorted(NSA_EXAMPLES))
+def test_random_explicit_selections_match_the_reference(target):
+    """ejkernel's operation with block_indices: ids mostly in each token's range, some negative,
+    past the token's block or past the sequence, and repeats (conftest.random_indices)."""
+    platform, config = TARGETS[target]
+
+    @settings(max_examples=NSA_EXAMPLES[target], deadline=None)
+    @given(selection=explicit_selections(), shape=shapes())
+    def one(selection, shape):
+        rng = np.random.default_rng(shape["seed"])
+        batch, seq_len, heads_q, heads_kv, head_dim = (
+            shape[n] for n in ("batch", "seq_len", "heads_q", "heads_kv", "head_dim")
+        )
+        cu_seqlens, block, width = shape["cu_seqlens"], selection["block"], selection["width"]
+        q, k, v = qkv(rng, batch, seq_len, heads_q, heads_kv, head_dim)
+        g_slc = gate(rng, batch, seq_len, heads_q)
+        indices = random_indices(rng, batch, seq_len, heads_kv, width, block, cu_seqlens)
+        counts = (rng.integers(-1, width + 2, (batch, seq_len, heads_kv)).astype(np.int32)
+                  if selection["per_token_counts"] else int(rng.integers(0, width + 1)))
+        cfg = dataclasses.replace(config or nsa_dsl.NativeSparseAttentionConfig(), block_size=block)
+        scale = 1.0 / np.sqrt(head_dim)
+
+        def run(q, k, v, g_slc, softmax_scale):
+            return nsa_dsl.native_sparse_attention(q, k, v, None, g_slc, indices, counts, cu_seqlens,
+                                                   softmax_scale=softmax_scale, platform=platform, cfg=cfg)
+
+        mask = reference.selection_mask(indices, counts, block, cu_seqlens)
+        out, pullback = jax.vjp(run, q, k, v, g_slc, jnp.float32(scale))
+        assert_close(out, reference.forward(q, k, v, [mask], [g_slc], scale), TOLERANCE, "output")
+        d_out = rng.standard_normal(q.shape).astype(np.float32)
+        dq, dk, dv, dg, d_scale = pullback(jnp.asarray(d_out))
+        wanted = reference.gradients(q, k, v, [mask], [g_slc], scale, d_out)
+        for name, actual, expected in (("q", dq, wanted["q"]), ("k", dk, wanted["k"]), ("v", dv, wanted["v"]),
+                                       ("g_slc", dg, wanted["gates"][0])):
+            assert_close(actual, expected, TOLERANCE, f"d{name}", least=VANISHING)
+        assert_scale_gradient_close(d_scale, wanted["scale"], q, wanted["q"], scale, TOLERANCE,
+                                    least=VANISHING_SCALE_GRADIENT)
 
     one()
 
