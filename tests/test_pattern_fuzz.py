@@ -13,6 +13,7 @@ pin the cases we thought of; these look for the ones we did not.
   tests/nsa_reference.py, written from the paper's equations (tests/nsa_check.py).
 - native_sparse_attention's explicit selections (block size, entries, counts, ids out of range
   and repeated): output and gradients against reference.selection_mask's dense attention.
+- A shard of the queries (query_offset) against the whole call, static and NSA patterns.
 """
 
 from __future__ import annotations
@@ -284,6 +285,57 @@ def test_random_explicit_selections_match_the_reference(target):
             assert_close(actual, expected, TOLERANCE, f"d{name}", least=VANISHING)
         assert_scale_gradient_close(d_scale, wanted["scale"], q, wanted["q"], scale, TOLERANCE,
                                     least=VANISHING_SCALE_GRADIENT)
+
+    one()
+
+
+# Platforms whose kernels take a shard of the queries (context parallelism, prefill chunks,
+# decoding steps); Pallas' TPU variant does not.
+SHARD_EXAMPLES = {"xla": 10, "triton": 4, "pallas": 3}
+
+
+@pytest.mark.parametrize("target", sorted(SHARD_EXAMPLES))
+def test_a_shard_of_the_queries_is_those_rows_of_the_whole_call(target):
+    """Queries [a, b) with query_offset=a against every key (a prefill chunk, a decoding step at
+    b = a + 1, a context-parallel shard) give rows [a, b) of the whole call, and, for an output
+    cotangent on those rows only, the same dq rows, dk, dv and gate gradients: for random static
+    patterns and Native Sparse Attention (per token) on batches or packed sequences."""
+    platform, config = TARGETS[target]
+
+    @settings(max_examples=SHARD_EXAMPLES[target], deadline=None)
+    @given(pattern=st.one_of(patterns(), nsa_patterns().filter(lambda p: p[1].query_block == 1).map(lambda p: p[0])),
+           shape=shapes(), data=st.data())
+    def one(pattern, shape, data):
+        attention = nsa_dsl.compile(pattern, config=config)
+        rng = np.random.default_rng(shape["seed"])
+        batch, seq_len, heads_q, heads_kv, head_dim = (
+            shape[n] for n in ("batch", "seq_len", "heads_q", "heads_kv", "head_dim")
+        )
+        first = data.draw(st.integers(0, seq_len - 1))
+        end = data.draw(st.sampled_from([first + 1, data.draw(st.integers(first + 1, seq_len))]))
+        q, k, v = qkv(rng, batch, seq_len, heads_q, heads_kv, head_dim)
+        gates = {g.name: gate(rng, batch, seq_len, heads_q) for g in attention.plan.gates}
+        d_out = jnp.asarray(rng.standard_normal((batch, end - first, heads_q, head_dim)).astype(np.float32))
+
+        def whole(q, k, v, gates):
+            out = attention(q, k, v, cu_seqlens=shape["cu_seqlens"], platform=platform, **gates)
+            return jnp.sum(out[:, first:end] * d_out), out[:, first:end]
+
+        def shard(q, k, v, gates):
+            out = attention(q, k, v, cu_seqlens=shape["cu_seqlens"], platform=platform, query_offset=first, **gates)
+            return jnp.sum(out * d_out), out
+
+        rows = {name: g[:, first:end] for name, g in gates.items()}
+        (_, want), want_grads = jax.value_and_grad(whole, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, gates)
+        (_, got), got_grads = jax.value_and_grad(shard, argnums=(0, 1, 2, 3), has_aux=True)(
+            q[:, first:end], k, v, rows
+        )
+        assert_close(got, want, TOLERANCE, "output")
+        assert_close(got_grads[0], want_grads[0][:, first:end], TOLERANCE, "dq", least=VANISHING)
+        assert_close(got_grads[1], want_grads[1], TOLERANCE, "dk", least=VANISHING)
+        assert_close(got_grads[2], want_grads[2], TOLERANCE, "dv", least=VANISHING)
+        for name in gates:
+            assert_close(got_grads[3][name], want_grads[3][name][:, first:end], TOLERANCE, f"d{name}", least=VANISHING)
 
     one()
 
