@@ -101,7 +101,7 @@ def patterns(draw) -> str:
     """A pattern's .nsa text: each branch ungated, gated, or gated with a default."""
     branches = draw(st.integers(1, 3))
     causality = draw(st.sampled_from(["causal", "bidirectional"]))
-    lines = ["pattern fuzz", f"block {draw(st.sampled_from([16, 32]))}", causality]
+    lines = ["pattern fuzz", f"block {draw(st.sampled_from([16, 32, 64]))}", causality]
     lines += [f"gate g{index}" for index in range(branches)]
     for index in range(branches):
         gate = draw(st.sampled_from(["", f" gate g{index}", f" gate g{index} default 0.5"]))
@@ -124,7 +124,7 @@ def shapes(draw) -> dict:
         end = draw(st.sampled_from([seq_len, cuts[-1] if cuts else seq_len]))
         cu_seqlens = np.array([0, *[c for c in cuts if c <= end], end], np.int32)
     return {"batch": batch, "seq_len": seq_len, "heads_kv": heads_kv, "heads_q": heads_kv * group,
-            "head_dim": draw(st.sampled_from([8, 12, 20, 32])), "cu_seqlens": cu_seqlens,
+            "head_dim": draw(st.sampled_from([8, 12, 20, 32, 100, 192])), "cu_seqlens": cu_seqlens,
             "seed": draw(st.integers(0, 2**32 - 1))}
 
 
