@@ -91,7 +91,7 @@ class Frame(NamedTuple):
     q_len: int
     k_len: int
     batch: int
-    block: int  # the pattern's block size, at most k_len (frame()): rows per query tile
+    block: int  # the pattern's block size fitted to k_len (frame()), or to whole groups (grouped())
     group: int = 1  # a tile holds whole groups of this many queries (a top-k per block(Q)); divides block
 
     @property
