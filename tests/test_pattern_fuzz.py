@@ -104,8 +104,8 @@ def patterns(draw) -> str:
     lines = ["pattern fuzz", f"block {draw(st.sampled_from([16, 32, 64]))}", causality]
     lines += [f"gate g{index}" for index in range(branches)]
     for index in range(branches):
-        gate = draw(st.sampled_from(["", f" gate g{index}", f" gate g{index} default 0.5"]))
-        lines.append(f"branch b{index} = {_key_set(draw, 2)}{gate}")
+        gate_clause = draw(st.sampled_from(["", f" gate g{index}", f" gate g{index} default 0.5"]))
+        lines.append(f"branch b{index} = {_key_set(draw, 2)}{gate_clause}")
     return "\n".join(lines) + "\n"
 
 
@@ -137,12 +137,11 @@ def check(text: str, shape: dict, target: str) -> None:
         shape[n] for n in ("batch", "seq_len", "heads_q", "heads_kv", "head_dim")
     )
     cu_seqlens = shape["cu_seqlens"]
-    q = rng.standard_normal((batch, seq_len, heads_q, head_dim)).astype(np.float32)
-    k, v = (rng.standard_normal((batch, seq_len, heads_kv, head_dim)).astype(np.float32) for _ in range(2))
+    q, k, v = qkv(rng, batch, seq_len, heads_q, heads_kv, head_dim)
     # Gates without a default are passed (a branch whose gate is not passed is dropped); those
     # with one, on every other example.
     gates = {
-        b.gate.name: rng.uniform(0.25, 1.5, (batch, seq_len, heads_q)).astype(np.float32)
+        b.gate.name: gate(rng, batch, seq_len, heads_q)
         for b in plan.branches
         if b.gate is not None and (b.gate.default is None or rng.random() < 0.5)
     }
