@@ -1,8 +1,9 @@
 """Random patterns, written as .nsa text, against the float64 references on every platform.
 
 Hypothesis draws a pattern and the shapes it runs on (odd lengths, batches or packed sequences
-with rows past the last one, GQA groups of 1 to 16, head dims that are no power of two); the
-pattern goes through the whole pipeline (parse, lower, render, compile). The hand-written tests
+with rows past the last one, GQA groups of 1 to 16, head dims that are no power of two; static
+patterns and explicit selections in float32, float16 and, but for Triton's interpreter,
+bfloat16); the pattern goes through the whole pipeline (parse, lower, render, compile). The hand-written tests
 pin the cases we thought of; these look for the ones we did not.
 - Static patterns (block size, causality, one to three branches of nested key-set algebra over
   every atom kind, gated or not): the output and the gradients of q, k, v, the softmax scale and
@@ -40,8 +41,10 @@ from nsa_reference import NsaSpec
 
 import nsa_dsl
 
-# float32 kernels against float64: accumulation error only (the interpreters' tiles included).
+# Against float64: accumulation error only in float32 (the interpreters' tiles included); in
+# half precision, the rounding of the inputs the kernels' products take and of what they store.
 TOLERANCE = 5e-5
+HALF_TOLERANCE = {"float16": 5e-3, "bfloat16": 2e-2}
 # The platforms, and the config each compiles with: Pallas' TPU variant (Mosaic kernels) runs in
 # the interpreter too.
 TARGETS = {
@@ -52,6 +55,9 @@ TARGETS = {
 }
 # Examples a run, per target: the interpreters run every program of a kernel one by one.
 EXAMPLES = {"xla": 16, "triton": 6, "pallas": 5, "pallas-tpu": 5}
+# The input dtypes drawn per target (Triton's interpreter runs on numpy, which has no bfloat16).
+DTYPES = {"xla": ("float32", "float16", "bfloat16"), "triton": ("float32", "float16"),
+          "pallas": ("float32", "float16", "bfloat16"), "pallas-tpu": ("float32", "float16", "bfloat16")}
 NSA_EXAMPLES = {"xla": 8, "triton": 4, "pallas": 3, "pallas-tpu": 3}
 
 
@@ -127,8 +133,9 @@ def shapes(draw) -> dict:
             "seed": draw(st.integers(0, 2**32 - 1))}
 
 
-def check(text: str, shape: dict, target: str) -> None:
+def check(text: str, shape: dict, target: str, dtype: str = "float32") -> None:
     platform, config = TARGETS[target]
+    tolerance = HALF_TOLERANCE.get(dtype, TOLERANCE)
     attention = nsa_dsl.compile(text, config=config)
     plan = attention.plan
     rng = np.random.default_rng(shape["seed"])
@@ -136,11 +143,11 @@ def check(text: str, shape: dict, target: str) -> None:
         shape[n] for n in ("batch", "seq_len", "heads_q", "heads_kv", "head_dim")
     )
     cu_seqlens = shape["cu_seqlens"]
-    q, k, v = qkv(rng, batch, seq_len, heads_q, heads_kv, head_dim)
+    q, k, v = qkv(rng, batch, seq_len, heads_q, heads_kv, head_dim, dtype=jnp.dtype(dtype))
     # Gates without a default are passed (a branch whose gate is not passed is dropped); those
     # with one, on every other example.
     gates = {
-        b.gate.name: gate(rng, batch, seq_len, heads_q)
+        b.gate.name: gate(rng, batch, seq_len, heads_q).astype(dtype)
         for b in plan.branches
         if b.gate is not None and (b.gate.default is None or rng.random() < 0.5)
     }
@@ -149,8 +156,10 @@ def check(text: str, shape: dict, target: str) -> None:
         masks.append(reference.static_mask(b.static, plan.block_size, plan.causal, batch, seq_len, cu_seqlens))
         if b.gate is None:
             branch_gates.append(None)
-        else:
-            branch_gates.append(gates.get(b.gate.name, np.full((batch, seq_len, heads_q), b.gate.default, np.float32)))
+        elif b.gate.name in gates:
+            branch_gates.append(gates[b.gate.name])
+        else:  # not passed, so it has a default
+            branch_gates.append(np.full((batch, seq_len, heads_q), b.gate.default, dtype))
     scale = 1.0 / np.sqrt(head_dim)
     names = sorted(gates)
 
@@ -160,25 +169,26 @@ def check(text: str, shape: dict, target: str) -> None:
 
     out, pullback = jax.vjp(run, q, k, v, jnp.float32(scale), *(gates[n] for n in names))
     expected = reference.forward(q, k, v, masks, branch_gates, scale)
-    assert_close(out, expected, TOLERANCE, "output")
-    d_out = rng.standard_normal(q.shape).astype(np.float32)
+    assert out.dtype == q.dtype
+    assert_close(out, expected, tolerance, "output")
+    d_out = rng.standard_normal(q.shape).astype(dtype)
     grads = pullback(jnp.asarray(d_out))
     wanted = reference.gradients(q, k, v, masks, branch_gates, scale, d_out)
     floor = gradient_floor(wanted["q"], wanted["k"], wanted["v"])
     for name, actual in zip(("q", "k", "v"), grads):
-        assert_close(actual, wanted[name], TOLERANCE, f"d{name}", least=floor)
-    assert_scale_gradient_close(grads[3], wanted["scale"], q, wanted["q"], scale, TOLERANCE)
+        assert_close(actual, wanted[name], tolerance, f"d{name}", least=floor)
+    assert_scale_gradient_close(grads[3], wanted["scale"], q, wanted["q"], scale, tolerance)
     for name, actual in zip(names, grads[4:]):
         index = next(i for i, b in enumerate(plan.branches) if b.gate is not None and b.gate.name == name)
-        assert_close(actual, wanted["gates"][index], TOLERANCE, f"d{name}", least=floor)
+        assert_close(actual, wanted["gates"][index], tolerance, f"d{name}", least=floor)
 
 
 @pytest.mark.parametrize("target", sorted(EXAMPLES))
 def test_random_static_patterns_match_the_reference(target):
     @settings(max_examples=EXAMPLES[target], deadline=None)
-    @given(text=patterns(), shape=shapes())
-    def one(text, shape):
-        check(text, shape, target)
+    @given(text=patterns(), shape=shapes(), dtype=st.sampled_from(DTYPES[target]))
+    def one(text, shape, dtype):
+        check(text, shape, target, dtype)
 
     one()
 
@@ -253,15 +263,16 @@ def test_random_explicit_selections_match_the_reference(target):
     platform, config = TARGETS[target]
 
     @settings(max_examples=NSA_EXAMPLES[target], deadline=None)
-    @given(selection=explicit_selections(), shape=shapes())
-    def one(selection, shape):
+    @given(selection=explicit_selections(), shape=shapes(), dtype=st.sampled_from(DTYPES[target]))
+    def one(selection, shape, dtype):
         rng = np.random.default_rng(shape["seed"])
+        tolerance = HALF_TOLERANCE.get(dtype, TOLERANCE)
         batch, seq_len, heads_q, heads_kv, head_dim = (
             shape[n] for n in ("batch", "seq_len", "heads_q", "heads_kv", "head_dim")
         )
         cu_seqlens, block, width = shape["cu_seqlens"], selection["block"], selection["width"]
-        q, k, v = qkv(rng, batch, seq_len, heads_q, heads_kv, head_dim)
-        g_slc = gate(rng, batch, seq_len, heads_q)
+        q, k, v = qkv(rng, batch, seq_len, heads_q, heads_kv, head_dim, dtype=jnp.dtype(dtype))
+        g_slc = gate(rng, batch, seq_len, heads_q).astype(dtype)
         indices = random_indices(rng, batch, seq_len, heads_kv, width, block, cu_seqlens)
         counts = (rng.integers(-1, width + 2, (batch, seq_len, heads_kv)).astype(np.int32)
                   if selection["per_token_counts"] else int(rng.integers(0, width + 1)))
@@ -274,15 +285,16 @@ def test_random_explicit_selections_match_the_reference(target):
 
         mask = reference.selection_mask(indices, counts, block, cu_seqlens)
         out, pullback = jax.vjp(run, q, k, v, g_slc, jnp.float32(scale))
-        assert_close(out, reference.forward(q, k, v, [mask], [g_slc], scale), TOLERANCE, "output")
-        d_out = rng.standard_normal(q.shape).astype(np.float32)
+        assert out.dtype == q.dtype
+        assert_close(out, reference.forward(q, k, v, [mask], [g_slc], scale), tolerance, "output")
+        d_out = rng.standard_normal(q.shape).astype(dtype)
         dq, dk, dv, dg, d_scale = pullback(jnp.asarray(d_out))
         wanted = reference.gradients(q, k, v, [mask], [g_slc], scale, d_out)
         floor = gradient_floor(wanted["q"], wanted["k"], wanted["v"])
         for name, actual, expected in (("q", dq, wanted["q"]), ("k", dk, wanted["k"]), ("v", dv, wanted["v"]),
                                        ("g_slc", dg, wanted["gates"][0])):
-            assert_close(actual, expected, TOLERANCE, f"d{name}", least=floor)
-        assert_scale_gradient_close(d_scale, wanted["scale"], q, wanted["q"], scale, TOLERANCE)
+            assert_close(actual, expected, tolerance, f"d{name}", least=floor)
+        assert_scale_gradient_close(d_scale, wanted["scale"], q, wanted["q"], scale, tolerance)
 
     one()
 
