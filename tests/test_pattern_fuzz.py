@@ -1,9 +1,9 @@
 """Random patterns, written as .nsa text, against the float64 references on every platform.
 
 Hypothesis draws a pattern and the shapes it runs on (odd lengths, batches or packed sequences
-with rows past the last one, GQA groups of 1 to 16, head dims that are no power of two; static
-patterns and explicit selections in float32, float16 and, but for Triton's interpreter,
-bfloat16); the pattern goes through the whole pipeline (parse, lower, render, compile). The hand-written tests
+with rows past the last one, GQA groups of 1 to 16, head dims that are no power of two; float32
+and float16, and for static patterns and explicit selections bfloat16 too, but on Triton's
+interpreter); the pattern goes through the whole pipeline (parse, lower, render, compile). The hand-written tests
 pin the cases we thought of; these look for the ones we did not.
 - Static patterns (block size, causality, one to three branches of nested key-set algebra over
   every atom kind, gated or not): the output and the gradients of q, k, v, the softmax scale and
@@ -235,13 +235,13 @@ def test_random_native_sparse_attention_matches_the_paper(target):
     platform, config = TARGETS[target]
 
     @settings(max_examples=NSA_EXAMPLES[target], deadline=None)
-    @given(pattern=nsa_patterns(), shape=shapes())
-    def one(pattern, shape):
+    @given(pattern=nsa_patterns(), shape=shapes(), dtype=st.sampled_from([np.float32, np.float16]))
+    def one(pattern, shape, dtype):
         source, spec, gates = pattern
         cu_seqlens = shape["cu_seqlens"]
         check_against_reference(
             np.random.default_rng(shape["seed"]), source, spec, batch=shape["batch"], seq_len=shape["seq_len"],
-            heads_q=shape["heads_q"], heads_kv=shape["heads_kv"], head_dim=shape["head_dim"],
+            heads_q=shape["heads_q"], heads_kv=shape["heads_kv"], head_dim=shape["head_dim"], dtype=dtype,
             cu_seqlens=None if cu_seqlens is None else list(cu_seqlens), gates=gates, platform=platform, config=config,
         )
 
