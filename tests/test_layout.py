@@ -9,7 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import nsa_dsl
+from nsa_dsl import codegen
 from nsa_dsl.runtime import layout
+from nsa_dsl.runtime.platform import for_device
 
 CU_SEQLENS = [0, 15, 40, 61]  # rows 61.. of a 64-row batch belong to no sequence
 TOTAL = 64
@@ -110,6 +113,20 @@ def test_clean_selection_keeps_exactly_the_entries_that_count(rng):
                     keep = block <= (row - start) // BLOCK
                 seen.add(block)
                 assert cleaned[row, h, e] == (block if keep else -1), (row, h, e)
+
+
+@pytest.mark.parametrize("total, count", [(0, 5), (1, 1), (37, 9), (500, 600), (1000, 3)])
+def test_count_below_is_a_left_search_of_every_value(rng, total, count):
+    """layout.count_below and the Triton module's one-launch search of the pair lists
+    (pair_list_starts) against np.searchsorted on fresh sorted values: runs of one value and of
+    many, values with no run at the start, the middle and the end, no values at all."""
+    source = "pattern p\nblock 16\nbranch c = compress(block=16, stride=16)\nbranch s = topk(4, block=16, score=c)"
+    module = codegen.load_module("triton", nsa_dsl.compile(source).plan, for_device(None))
+    values = np.sort(rng.integers(0, count, total)).astype(np.int32)
+    want = np.searchsorted(values, np.arange(count + 1), side="left")
+    for search in (layout.count_below, module.pair_list_starts):
+        got = np.asarray(jax.jit(search, static_argnums=1)(values, count))
+        np.testing.assert_array_equal(got, want, err_msg=str(search))
 
 
 @pytest.mark.parametrize("short_keys", [True, False], ids=["uint16 list keys", "int32 list keys"])

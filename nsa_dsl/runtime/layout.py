@@ -95,6 +95,12 @@ def search_sorted(sorted_values: jax.Array, x: jax.Array, side: str) -> jax.Arra
     return jnp.searchsorted(sorted_values, x, side=side, method="scan_unrolled")
 
 
+def count_below(sorted_values: jax.Array, count: int) -> jax.Array:
+    """[count + 1] int32: for each b in [0, count], how many of ascending int32 `sorted_values` lie
+    below b (jnp.searchsorted(sorted_values, arange(count + 1), side="left"))."""
+    return search_sorted(sorted_values, jnp.arange(count + 1, dtype=jnp.int32), side="left").astype(jnp.int32)
+
+
 def rows(offsets: jax.Array, total: int) -> Rows:
     """The Rows of packed rows [0, total)."""
     return rows_at(offsets, jnp.arange(total, dtype=jnp.int32))
@@ -298,12 +304,14 @@ SHORT_KEY_LISTS = 2**16
 
 def selection_by_key_block(
     selected: jax.Array, seq: jax.Array, blocks: Blocks, token_entries: bool = False, segment_rows: int | None = None,
+    search=count_below,
 ) -> PairLists:
     """Transpose cleaned selections [N, HKV, S] (clean_selection) of rows of the sequences `seq`
     [N] into pair lists, on device: number every (row, entry) pair by its (KV head, key block)
-    list, sort, and find each list's range by binary search; with `token_entries`, each pair's
-    row * S + entry too; with `segment_rows`, the lists' segments of that many rows.
-    Deterministic: no atomics, rows stay in ascending order."""
+    list, sort, and find each list's range by binary search (`search`, as count_below: a backend's
+    kernel may take its place); with `token_entries`, each pair's row * S + entry too; with
+    `segment_rows`, the lists' segments of that many rows. Deterministic: no atomics, rows stay in
+    ascending order."""
     total, heads_kv, entries = selected.shape
     lists_per_head = blocks.count + 1  # the last: entries naming no block, sorted after every real one
     block_id = jnp.where(selected >= 0, blocks.block_id(seq[:, None, None], selected), blocks.count)
@@ -315,17 +323,13 @@ def selection_by_key_block(
                                   num_keys=1)
     lists = lists.astype(jnp.int32)
     rows = row_entries // entries
-    bounds = jnp.arange(heads_kv * lists_per_head, dtype=jnp.int32).reshape(heads_kv, lists_per_head)
-    offsets = search_sorted(lists, bounds, side="left").astype(jnp.int32)
+    offsets = search(lists, heads_kv * lists_per_head)[:-1].reshape(heads_kv, lists_per_head)
     segments = None
     if segment_rows is not None:
         # (list, row // segment_rows) numbers the pairs' segments in their sorted order.
         per_list = -(-total // segment_rows)
-        segment = lists * per_list + rows // segment_rows
-        bounds = jnp.arange(lists_per_head * heads_kv * per_list + 1, dtype=jnp.int32)
-        segments = search_sorted(segment, bounds, side="left")
-    return PairLists(rows, offsets, row_entries if token_entries else None,
-                     None if segments is None else segments.astype(jnp.int32))
+        segments = search(lists * per_list + rows // segment_rows, heads_kv * lists_per_head * per_list)
+    return PairLists(rows, offsets, row_entries if token_entries else None, segments)
 
 
 class TransposedTable(NamedTuple):
