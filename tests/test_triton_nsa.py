@@ -231,6 +231,41 @@ def walk_chunks(scores, valid, kept, keep_best: tl.constexpr, block_of: tl.const
     tl.store(kept + row[:, None] * COUNT + tl.arange(0, COUNT)[None, :], block_of(best))
 
 
+@pytest.mark.parametrize("block, stride, head_dim, dtype, cu_seqlens", [
+    (16, 16, 60, np.float32, None),  # NSA's l = d, a head dim that is no power of two, batch rows
+    (32, 16, 24, np.float16, np.array([0, 7, 60, 95, 130])),  # overlapping blocks; a sequence with none
+    (24, 8, 32, np.float32, np.array([0, 50, 101])),  # a block that is no power of two, 3 keys a token
+])
+def test_mean_pool_is_pool_compressed(rng, block, stride, head_dim, dtype, cu_seqlens):
+    """The Triton module's mean pooling (one mean_pool launch) against layout.pool_compressed's
+    gather and mean on fresh random keys and values: the same rows, zeros past every sequence's
+    keys, and through its custom_vjp the same gradients."""
+    source = (f"pattern p\nblock 16\nbranch c = compress(block={block}, stride={stride})\n"
+              "branch s = topk(2, block=16, score=c)")
+    module = codegen.load_module("triton", nsa_dsl.compile(source).plan, for_device(None))
+    batch, seq_len = (2, 65) if cu_seqlens is None else (1, int(cu_seqlens[-1]))
+    offsets = layout.sequence_offsets(cu_seqlens, batch, seq_len)
+    k, v = (rng.standard_normal((batch * seq_len, 3, head_dim)).astype(dtype) for _ in range(2))
+
+    def pooled(pool, k, v):
+        return tuple(pool(k, v)[:2])
+
+    ours = jax.jit(lambda k, v: pooled(lambda k, v: module.pool_mean(k, v, offsets, block, stride, k.dtype), k, v))
+    theirs = jax.jit(lambda k, v: pooled(
+        lambda k, v: layout.pool_compressed(k, v, offsets, block, stride, None, k.dtype), k, v))
+    (got, got_vjp), (want, want_vjp) = (jax.vjp(pool, k, v) for pool in (ours, theirs))
+    live = int(layout.compressed_offsets(offsets, block, stride)[-1])
+    tolerance = 1e-6 if dtype == np.float32 else 1e-3
+    for got_rows, want_rows in zip(got, want):
+        assert got_rows.shape == want_rows.shape and got_rows.dtype == want_rows.dtype
+        np.testing.assert_allclose(np.asarray(got_rows, np.float64), np.asarray(want_rows, np.float64),
+                                   rtol=tolerance, atol=tolerance)
+        assert live < got_rows.shape[0] and not np.asarray(got_rows[live:]).any()
+    cotangents = tuple(rng.standard_normal(x.shape).astype(dtype) for x in want)
+    for got_d, want_d in zip(got_vjp(cotangents), want_vjp(cotangents)):
+        np.testing.assert_array_equal(np.asarray(got_d), np.asarray(want_d))
+
+
 @pytest.mark.skipif(triton_glue.on_gpu(), reason="numpy buffers: Triton's interpreter only")
 def test_keep_best_keeps_the_best_blocks_of_every_chunk(rng):
     """The top-k's running best (keep_best) over chunks of candidate blocks, against numpy's sort by

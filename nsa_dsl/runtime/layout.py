@@ -402,12 +402,19 @@ def compressed_rows(keys: int, num_seqs: int, stride: int) -> int:
     return keys // stride + num_seqs
 
 
-def _pooled_tokens(offsets, cmp_offsets, first, count: int, block: int, stride: int) -> jax.Array:
-    """[count, block] int32: the key rows that compressed rows [first, first + count) pool."""
+def pooled_first_tokens(offsets, cmp_offsets, first, count: int, stride: int) -> jax.Array:
+    """[count] int32: the first key row that each of compressed rows [first, first + count) pools
+    (a row pools `block` key rows from it; rows past the last sequence's keys point past its end)."""
     num_seqs = offsets.shape[0] - 1
     row = first + jnp.arange(count, dtype=jnp.int32)
     seq = jnp.clip(search_sorted(cmp_offsets[1:], row, side="right"), 0, num_seqs - 1)
-    return (offsets[seq] + (row - cmp_offsets[seq]) * stride)[:, None] + jnp.arange(block, dtype=jnp.int32)
+    return offsets[seq] + (row - cmp_offsets[seq]) * stride
+
+
+def _pooled_tokens(offsets, cmp_offsets, first, count: int, block: int, stride: int) -> jax.Array:
+    """[count, block] int32: the key rows that compressed rows [first, first + count) pool."""
+    first_tokens = pooled_first_tokens(offsets, cmp_offsets, first, count, stride)
+    return first_tokens[:, None] + jnp.arange(block, dtype=jnp.int32)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
