@@ -38,13 +38,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from nsa_check import check_against_reference
 from nsa_reference import NsaSpec
+from static_check import TOLERANCE, check_static
 
 import nsa_dsl
 
-# Against float64: accumulation error only in float32 (the interpreters' tiles included); in
-# half precision, the rounding of the inputs the kernels' products take and of what they store.
-TOLERANCE = 5e-5
-HALF_TOLERANCE = {"float16": 5e-3, "bfloat16": 2e-2}
 # The platforms, and the config each compiles with: Pallas' TPU variant (Mosaic kernels) runs in
 # the interpreter too.
 TARGETS = {
@@ -135,52 +132,20 @@ def shapes(draw) -> dict:
 
 def check(text: str, shape: dict, target: str, dtype: str = "float32") -> None:
     platform, config = TARGETS[target]
-    tolerance = HALF_TOLERANCE.get(dtype, TOLERANCE)
     attention = nsa_dsl.compile(text, config=config)
-    plan = attention.plan
     rng = np.random.default_rng(shape["seed"])
     batch, seq_len, heads_q, heads_kv, head_dim = (
         shape[n] for n in ("batch", "seq_len", "heads_q", "heads_kv", "head_dim")
     )
-    cu_seqlens = shape["cu_seqlens"]
     q, k, v = qkv(rng, batch, seq_len, heads_q, heads_kv, head_dim, dtype=jnp.dtype(dtype))
     # Gates without a default are passed (a branch whose gate is not passed is dropped); those
     # with one, on every other example.
     gates = {
         b.gate.name: gate(rng, batch, seq_len, heads_q).astype(dtype)
-        for b in plan.branches
+        for b in attention.plan.branches
         if b.gate is not None and (b.gate.default is None or rng.random() < 0.5)
     }
-    masks, branch_gates = [], []
-    for b in plan.branches:
-        masks.append(reference.static_mask(b.static, plan.block_size, plan.causal, batch, seq_len, cu_seqlens))
-        if b.gate is None:
-            branch_gates.append(None)
-        elif b.gate.name in gates:
-            branch_gates.append(gates[b.gate.name])
-        else:  # not passed, so it has a default
-            branch_gates.append(np.full((batch, seq_len, heads_q), b.gate.default, dtype))
-    scale = 1.0 / np.sqrt(head_dim)
-    names = sorted(gates)
-
-    def run(q, k, v, softmax_scale, *gate_values):
-        return attention(q, k, v, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, platform=platform,
-                         **dict(zip(names, gate_values)))
-
-    out, pullback = jax.vjp(run, q, k, v, jnp.float32(scale), *(gates[n] for n in names))
-    expected = reference.forward(q, k, v, masks, branch_gates, scale)
-    assert out.dtype == q.dtype
-    assert_close(out, expected, tolerance, "output")
-    d_out = rng.standard_normal(q.shape).astype(dtype)
-    grads = pullback(jnp.asarray(d_out))
-    wanted = reference.gradients(q, k, v, masks, branch_gates, scale, d_out)
-    floor = gradient_floor(wanted["q"], wanted["k"], wanted["v"])
-    for name, actual in zip(("q", "k", "v"), grads):
-        assert_close(actual, wanted[name], tolerance, f"d{name}", least=floor)
-    assert_scale_gradient_close(grads[3], wanted["scale"], q, wanted["q"], scale, tolerance)
-    for name, actual in zip(names, grads[4:]):
-        index = next(i for i, b in enumerate(plan.branches) if b.gate is not None and b.gate.name == name)
-        assert_close(actual, wanted["gates"][index], tolerance, f"d{name}", least=floor)
+    check_static(rng, attention, q, k, v, gates, shape["cu_seqlens"], platform=platform)
 
 
 @pytest.mark.parametrize("target", sorted(EXAMPLES))
@@ -266,7 +231,7 @@ def test_random_explicit_selections_match_the_reference(target):
     @given(selection=explicit_selections(), shape=shapes(), dtype=st.sampled_from(DTYPES[target]))
     def one(selection, shape, dtype):
         rng = np.random.default_rng(shape["seed"])
-        tolerance = HALF_TOLERANCE.get(dtype, TOLERANCE)
+        forward_tolerance, gradient_tolerance = TOLERANCE[dtype]
         batch, seq_len, heads_q, heads_kv, head_dim = (
             shape[n] for n in ("batch", "seq_len", "heads_q", "heads_kv", "head_dim")
         )
@@ -286,15 +251,15 @@ def test_random_explicit_selections_match_the_reference(target):
         mask = reference.selection_mask(indices, counts, block, cu_seqlens)
         out, pullback = jax.vjp(run, q, k, v, g_slc, jnp.float32(scale))
         assert out.dtype == q.dtype
-        assert_close(out, reference.forward(q, k, v, [mask], [g_slc], scale), tolerance, "output")
+        assert_close(out, reference.forward(q, k, v, [mask], [g_slc], scale), forward_tolerance, "output")
         d_out = rng.standard_normal(q.shape).astype(dtype)
         dq, dk, dv, dg, d_scale = pullback(jnp.asarray(d_out))
         wanted = reference.gradients(q, k, v, [mask], [g_slc], scale, d_out)
         floor = gradient_floor(wanted["q"], wanted["k"], wanted["v"])
         for name, actual, expected in (("q", dq, wanted["q"]), ("k", dk, wanted["k"]), ("v", dv, wanted["v"]),
                                        ("g_slc", dg, wanted["gates"][0])):
-            assert_close(actual, expected, tolerance, f"d{name}", least=floor)
-        assert_scale_gradient_close(d_scale, wanted["scale"], q, wanted["q"], scale, tolerance)
+            assert_close(actual, expected, gradient_tolerance, f"d{name}", least=floor)
+        assert_scale_gradient_close(d_scale, wanted["scale"], q, wanted["q"], scale, gradient_tolerance)
 
     one()
 
@@ -340,13 +305,15 @@ def test_a_shard_of_the_queries_is_those_rows_of_the_whole_call(target):
         (_, got), got_grads = jax.value_and_grad(shard, argnums=(0, 1, 2, 3), has_aux=True)(
             q[:, first:end], k, v, rows
         )
-        assert_close(got, want, TOLERANCE, "output")
+        forward_tolerance, gradient_tolerance = TOLERANCE["float32"]
+        assert_close(got, want, forward_tolerance, "output")
         floor = gradient_floor(*want_grads[:3])
-        assert_close(got_grads[0], want_grads[0][:, first:end], TOLERANCE, "dq", least=floor)
-        assert_close(got_grads[1], want_grads[1], TOLERANCE, "dk", least=floor)
-        assert_close(got_grads[2], want_grads[2], TOLERANCE, "dv", least=floor)
+        assert_close(got_grads[0], want_grads[0][:, first:end], gradient_tolerance, "dq", least=floor)
+        assert_close(got_grads[1], want_grads[1], gradient_tolerance, "dk", least=floor)
+        assert_close(got_grads[2], want_grads[2], gradient_tolerance, "dv", least=floor)
         for name in gates:
-            assert_close(got_grads[3][name], want_grads[3][name][:, first:end], TOLERANCE, f"d{name}", least=floor)
+            assert_close(got_grads[3][name], want_grads[3][name][:, first:end], gradient_tolerance, f"d{name}",
+                         least=floor)
 
     one()
 

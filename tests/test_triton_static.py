@@ -11,36 +11,40 @@ union, both segments of a progression -- runs on these short sequences."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import reference
-from conftest import assert_close, assert_scale_gradient_close, gate, lower_for_cuda, normal, qkv, record_calls
+from conftest import gate, lower_for_cuda, qkv, record_calls
+from static_check import check_static, static_attention
 
 from nsa_dsl import codegen
 from nsa_dsl.api import SparseAttention
 from nsa_dsl.config import NativeSparseAttentionConfig
 from nsa_dsl.dsl import model
 from nsa_dsl.plan import lower, lower_keys
-from nsa_dsl.plan.ranges import EVERY_KEY, MAX_TOKENS, KeyRanges, key_ranges, static_launches, trailing_window
+from nsa_dsl.plan.ranges import (
+    EVERY_KEY,
+    MAX_TOKENS,
+    KeyRanges,
+    key_ranges,
+    static_launches,
+    trailing_window,
+)
 from nsa_dsl.runtime import dispatch, triton_glue
 from nsa_dsl.runtime.platform import for_device
 
 W, L, S, G, BL, R = model.Window, model.Local, model.Stride, model.Global, model.Blocks, model.Random
 U = lambda *parts: model.Union(parts)
 
-TOLERANCE = {np.float32: 2e-5, np.float16: 5e-3}
-
 
 def compiled(keys_by_branch, *, causal=True, block=16, gates=None, tiles=(16, 16), heads=None) -> SparseAttention:
     """A pattern of one static branch per key set; its Triton kernels take tiles of tiles[0]
     queries and tiles[1] keys, and the forward and dq query tiles hold `heads` query heads."""
-    gates = gates or [None] * len(keys_by_branch)
-    branches = tuple(model.Branch(f"b{i}", keys, g) for i, (keys, g) in enumerate(zip(keys_by_branch, gates)))
-    pattern = model.Pattern("test", block, causal, (), branches)
     config = NativeSparseAttentionConfig(block_size=block, block_q=tiles[0], block_k=tiles[1])
-    attention = SparseAttention(pattern, lower(pattern), config)
+    attention = static_attention(keys_by_branch, causal=causal, block=block, gates=gates, config=config)
     if heads is not None:  # a module constant, read when the kernels are first traced
         module = codegen.load_module("triton", attention.plan, for_device(config))
         for kernel in ("static_forward", "static_fused_forward", "static_backward_dq"):
@@ -48,40 +52,7 @@ def compiled(keys_by_branch, *, causal=True, block=16, gates=None, tiles=(16, 16
     return attention
 
 
-def check(rng, attention, q, k, v, gates=None, cu_seqlens=None):
-    """Forward and gradients of q, k, v, the softmax scale (and of the passed gates) against the reference."""
-    gates = gates or {}
-    plan = attention.plan
-    batch, seq_len, heads_q, head_dim = q.shape
-    masks, branch_gates = [], []
-    for b in plan.branches:  # a gate not passed weighs its default; a branch without one is skipped
-        if b.gate is not None and b.gate.name not in gates and b.gate.default is None:
-            continue
-        masks.append(reference.static_mask(b.static, plan.block_size, plan.causal, batch, seq_len, cu_seqlens))
-        if b.gate is None:
-            branch_gates.append(None)
-        else:
-            branch_gates.append(gates.get(b.gate.name, np.full((batch, seq_len, heads_q), b.gate.default, np.float32)))
-    tolerance = TOLERANCE[q.dtype.type]
-    scale = 1.0 / np.sqrt(head_dim)
-    names = sorted(gates)
-
-    def run(q, k, v, softmax_scale, *gate_values):
-        return attention(q, k, v, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, platform="triton",
-                         **dict(zip(names, gate_values)))
-
-    out, pullback = jax.vjp(run, q, k, v, jnp.float32(scale), *(gates[n] for n in names))
-    assert out.dtype == q.dtype
-    assert_close(out, reference.forward(q, k, v, masks, branch_gates, scale), tolerance, "output")
-    d_out = normal(rng, *q.shape, dtype=q.dtype)
-    grads = pullback(jnp.asarray(d_out))
-    expected = reference.gradients(q, k, v, masks, branch_gates, scale, d_out)
-    for name, actual, wanted in zip(("dq", "dk", "dv"), grads, (expected["q"], expected["k"], expected["v"])):
-        assert_close(actual, wanted, tolerance, name)
-    assert_scale_gradient_close(grads[3], expected["scale"], q, expected["q"], scale, tolerance)
-    for name, actual in zip(names, grads[4:]):
-        wanted = next(g for g, passed in zip(expected["gates"], branch_gates) if passed is gates[name])
-        assert_close(actual, wanted, tolerance, f"d{name}")
+check = functools.partial(check_static, platform="triton")
 
 
 # ---- which form a branch takes -----------------------------------------------------------------
