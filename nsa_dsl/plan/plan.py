@@ -15,7 +15,7 @@ Causality and sequence bounds are not part of `mask`: kernels always apply them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Union as _U
 
 from ..dsl.model import BlockAtom, Gate, KeySet
@@ -132,3 +132,16 @@ class Plan:
             if b.name == name:
                 return b
         raise KeyError(name)
+
+    def fitted(self, keys: int) -> Plan:
+        """This plan on sequences of at most `keys` rows, with a block past them shrunk to the
+        first power of two (at least 16) at or past them, and groups of queries (per block(Q))
+        no larger. A block at or past every sequence's length is each sequence's only block (id
+        0), whatever its size, so every key set and selection means the same; kernels that tile
+        by the block then take tiles of the keys' length, not the language's 2**29 rows."""
+        block = min(self.block_size, max(16, 1 << max(keys - 1, 0).bit_length()))
+        if block == self.block_size:
+            return self
+        branches = tuple(replace(b, query_block=min(b.query_block, block)) if isinstance(b, TopKBranch) else b
+                         for b in self.branches)
+        return replace(self, block_size=block, branches=branches)

@@ -161,13 +161,15 @@ def selections(
     shard = _query_shard(plan, query, query_offset, scoring_query, shapes, cu)
     scale = validate.softmax_scale(softmax_scale, shapes)
     cached = _compressed(plan, compressed, shapes, cu, key.dtype)
-    return run_on_platform(
-        plan, platform, config, bool(shard),
-        lambda chosen: entry(chosen, plan, config, "selections", pool_fns, pools=not cached)(
-            query, key, value, tables=kernel_tables(chosen, plan, config, shapes.seq_len), cu_seqlens=cu,
+
+    def select(chosen: str):
+        fitted = kernel_plan(chosen, plan, shapes.seq_len)
+        return entry(chosen, fitted, config, "selections", pool_fns, pools=not cached)(
+            query, key, value, tables=kernel_tables(chosen, fitted, config, shapes.seq_len), cu_seqlens=cu,
             softmax_scale=scale, **shard, **cached,
-        ),
-    )
+        )
+
+    return run_on_platform(plan, platform, config, bool(shard), select)
 
 
 def _compressed(plan: p.Plan, compressed, shapes: validate.Shapes, cu, dtype) -> dict:
@@ -211,6 +213,14 @@ def _query_shard(plan: p.Plan, query, query_offset, scoring_query, shapes: valid
             f"query of the sequence axis as scoring_query (ShardedAttention does)"
         )
     return {"query_offset": offset, "scoring_query": validate.scoring_query(scoring_query, query, shapes)}
+
+
+def kernel_plan(platform: str, plan: p.Plan, seq_len: int) -> p.Plan:
+    """The plan whose module runs on `platform` for keys of seq_len rows. Pallas' static and
+    compression kernels tile queries by the pattern's block, a constant of the module: a block past
+    the keys runs as the plan fitted to them (Plan.fitted). XLA's and Triton's kernels fit each
+    block themselves (layout.fitted_block), and keep the module they have."""
+    return plan.fitted(seq_len) if platform == "pallas" else plan
 
 
 def kernel_tables(platform: str, plan: p.Plan, config, seq_len: int) -> dict[str, tuple[np.ndarray, ...]]:
@@ -331,19 +341,21 @@ def attend(
     )
     shard = _query_shard(plan, given.query, query_offset, scoring_query, given.shapes, given.cu_seqlens)
     cached = _compressed(plan, compressed, given.shapes, given.cu_seqlens, given.key.dtype)
-    return run_on_platform(
-        plan, platform, config, bool(shard),
-        lambda chosen: entry(chosen, plan, config, "attention", pool_fns, pools=not cached)(
+
+    def attention(chosen: str):
+        fitted = kernel_plan(chosen, plan, given.shapes.seq_len)
+        return entry(chosen, fitted, config, "attention", pool_fns, pools=not cached)(
             given.query,
             given.key,
             given.value,
             gates=given.gates,
-            tables=kernel_tables(chosen, plan, config, given.shapes.seq_len),
+            tables=kernel_tables(chosen, fitted, config, given.shapes.seq_len),
             cu_seqlens=given.cu_seqlens,
             softmax_scale=given.softmax_scale,
             block_indices=given.block_indices,
             block_counts=given.block_counts,
             **shard,
             **cached,
-        ),
-    )
+        )
+
+    return run_on_platform(plan, platform, config, bool(shard), attention)

@@ -247,6 +247,14 @@ def fitted_block(block: int, keys: int, multiple: int = 1) -> int:
     return min(block, -(-keys // multiple) * multiple)
 
 
+def fitted_query_block(query_block: int, keys: int) -> int:
+    """The groups of `query_block` queries (per block(Q), a power of two) of a selection where no
+    sequence is longer than `keys` rows: at most the first power of two at or past `keys`. A
+    longer group is every sequence's only one, as that one is, and took tiles of its rows (2**20
+    of them for per block(1048576), on a sequence of 40)."""
+    return min(query_block, 1 << max(keys - 1, 0).bit_length())
+
+
 def fitted_selection(count: int, block: int, stride: int, keys: int) -> tuple[int, int]:
     """(entries, block) of a top-`count` selection of `block`-row blocks, scored from compressed
     keys of `stride` rows, where no sequence is longer than `keys` rows: the block fitted
