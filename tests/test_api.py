@@ -14,6 +14,8 @@ import pytest
 import nsa_dsl
 import reference
 from conftest import FORWARD_TOLERANCE, assert_close, gate, qkv
+from nsa_check import check_against_reference
+from nsa_reference import small_example
 from nsa_dsl.api import check_pattern, selection_plan
 from nsa_dsl.plan import lower
 from nsa_dsl.runtime.check import reference_output
@@ -364,3 +366,94 @@ def test_a_count_past_every_rows_blocks_takes_them_all(rng, platform):
     np.testing.assert_array_equal(wide[..., :5], narrow)
     assert (np.asarray(wide[..., 5:]) == -1).all()
 
+
+
+@pytest.mark.parametrize("platform", ["xla", "triton"])
+def test_float64_inputs_under_x64_match_the_reference(rng, platform):
+    """With jax_enable_x64, float64 inputs run as float32 computations (as every platform
+    accumulates) with float64 outputs and gradients: Triton's top-k, whose ranking keys are built
+    from 32-bit scores, failed deep inside its interpreter on float64 ones."""
+    source, spec = small_example("nsa")
+    with jax.enable_x64(True):
+        check_against_reference(rng, source, spec, batch=1, seq_len=45, heads_q=4, heads_kv=2, head_dim=12,
+                                dtype=np.float64, platform=platform)
+
+
+def test_pallas_refuses_x64_by_name_and_is_not_chosen_under_it(rng):
+    """Pallas' interpreter mixes int32 and int64 indices under jax_enable_x64 and fails deep in its
+    lowering: asked for by name it is a ValueError saying so; chosen automatically, it never is."""
+    q, k, v = qkv(rng, 1, 40, 2, 1, 8)
+    attention = nsa_dsl.compile("pattern p\nblock 16\nbranch main = window(20) | global(first=1)\n")
+    with jax.enable_x64(True):
+        with pytest.raises(ValueError, match="platform='pallas'.*jax_enable_x64"):
+            attention(q, k, v, platform="pallas")
+        with pytest.raises(ValueError, match="platform='pallas'.*jax_enable_x64"):
+            nsa_dsl.native_sparse_attention(q, k, v, gate(rng, 1, 40, 2), None, None, 2, platform="pallas")
+        assert nsa_dsl.runtime.dispatch.choose_platform(attention.plan, None, nsa_dsl.NativeSparseAttentionConfig(backend="tpu")) == "xla"
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int16", "uint16", "uint32", "int64", "uint64"])
+def test_integer_arguments_of_any_width_are_their_values(rng, dtype):
+    """block_indices, block_counts, cu_seqlens and query_offset as jax arrays of any integer
+    dtype mean their values: clamping them into int32's range in their own dtype wrapped the
+    bounds (int16, uint32), so every index went out of range and the output was zeros."""
+    if dtype in ("int64", "uint64") and not jax.config.jax_enable_x64:
+        dtype = dtype.replace("64", "32")
+    config = nsa_dsl.NativeSparseAttentionConfig(block_size=16)
+    q, k, v = qkv(rng, 1, 40, 2, 1, 8)
+    indices = rng.integers(0, 3, (1, 40, 1, 2))
+    counts = rng.integers(1, 3, (1, 40, 1))
+    cu = np.array([0, 13, 40])
+
+    def call(to):
+        return np.asarray(nsa_dsl.native_sparse_attention(q, k, v, None, None, to(indices), to(counts), to(cu),
+                                                          cfg=config))
+
+    want = call(lambda x: jnp.asarray(x, jnp.int32))
+    assert np.abs(want).max() > 0
+    np.testing.assert_array_equal(call(lambda x: jnp.asarray(x, dtype)), want)
+    window = nsa_dsl.compile("pattern p\nblock 16\nbranch main = window(20)\n")
+    row = np.asarray(window(q, k, v))[:, 30:31]
+    step = jax.jit(lambda offset: window(q[:, 30:31], k, v, query_offset=offset))
+    for offset in (jnp.asarray(30, dtype), np.asarray(30, dtype)):
+        np.testing.assert_allclose(np.asarray(window(q[:, 30:31], k, v, query_offset=offset)), row, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(step(offset)), row, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("platform", ["xla", "triton", "pallas"])
+def test_a_learned_pooling_of_the_wrong_shape_is_a_value_error(rng, platform):
+    """A pool=learned function must map [C, block, HKV, D] blocks to a pair of [C, HKV, D] keys:
+    other results were broadcast into the compressed keys, and the call returned wrong numbers."""
+    q, k, v = qkv(rng, 1, 64, 4, 2, 8)
+    attention = nsa_dsl.compile("pattern p\nblock 16\nbranch cmp = compress(block=16, stride=8, pool=learned) gate g_cmp\n")
+    g_cmp = gate(rng, 1, 64, 4)
+    wrong = (lambda kb, vb: (kb.mean((0, 1)), vb.mean((0, 1))), lambda kb, vb: (kb.mean(1)[..., :1], vb.mean(1)[..., :1]),
+             lambda kb, vb: (kb.mean(), vb.mean()), lambda kb, vb: (kb.mean(1),),
+             lambda kb, vb: (kb.mean(1) > 0, vb.mean(1) > 0))
+    for pool in wrong:
+        with pytest.raises(ValueError, match=r"pool_fns.*\[C, HKV, D\]"):
+            attention(q, k, v, g_cmp=g_cmp, pool_fns={"cmp": pool}, platform=platform)
+    mean = attention(q, k, v, g_cmp=g_cmp, pool_fns={"cmp": lambda kb, vb: (kb.mean(1), vb.mean(1))}, platform=platform)
+    assert np.isfinite(np.asarray(mean)).all()
+
+
+def test_a_count_as_an_integer_scalar_array_is_that_count(rng):
+    """block_counts as a 0-d integer array: for explicit selections one count for every token
+    (traced under jit too); with g_cmp, a concrete one is the top-k's count. Both were refused as
+    arrays of the wrong shape."""
+    config = nsa_dsl.NativeSparseAttentionConfig(block_size=16)
+    q, k, v = qkv(rng, 1, 40, 4, 2, 8)
+    indices = rng.integers(-1, 3, (1, 40, 2, 3)).astype(np.int32)
+    want = np.asarray(nsa_dsl.native_sparse_attention(q, k, v, None, None, indices, 2, cfg=config))
+    assert np.abs(want).max() > 0
+    got = nsa_dsl.native_sparse_attention(q, k, v, None, None, indices, jnp.int32(2), cfg=config)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    traced = jax.jit(lambda count: nsa_dsl.native_sparse_attention(q, k, v, None, None, indices, count, cfg=config))
+    np.testing.assert_array_equal(np.asarray(traced(jnp.int32(2))), want)
+    g_cmp = gate(rng, 1, 40, 4)
+    want = np.asarray(nsa_dsl.native_sparse_attention(q, k, v, g_cmp, None, None, 2, cfg=config))
+    for count in (jnp.int32(2), np.int64(2), np.array(2)):
+        got = nsa_dsl.native_sparse_attention(q, k, v, g_cmp, None, None, count, cfg=config)
+        np.testing.assert_array_equal(np.asarray(got), want)
+    with pytest.raises(ValueError, match="block_counts"):
+        jax.jit(lambda count: nsa_dsl.native_sparse_attention(q, k, v, g_cmp, None, None, count, cfg=config))(2)

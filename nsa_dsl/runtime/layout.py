@@ -483,9 +483,26 @@ def pool_compressed(
         return Compressed(*(jnp.zeros((count, *x.shape[1:]), dtype) for x in (k, v)), cmp_offsets)
     row = first + jnp.arange(count, dtype=jnp.int32)
     k_blocks, v_blocks = pooled_blocks(k, v, offsets, cmp_offsets, first, count, block, stride)
-    k_cmp, v_cmp = (k_blocks.mean(axis=1), v_blocks.mean(axis=1)) if pool_fn is None else pool_fn(k_blocks, v_blocks)
+    k_cmp, v_cmp = (k_blocks.mean(axis=1), v_blocks.mean(axis=1)) if pool_fn is None else pooled(pool_fn, k_blocks, v_blocks)
     live = (row < cmp_offsets[-1])[:, None, None]  # rows past every sequence's keys: zeros, whatever the tokens
     return Compressed(*(jnp.where(live, x, 0).astype(dtype) for x in (k_cmp, v_cmp)), cmp_offsets)
+
+
+def pooled(pool_fn, k_blocks, v_blocks):
+    """A learned pooling function's (k_cmp, v_cmp) of blocks [C, block, HKV, D], checked: each
+    must be a floating [C, HKV, D] array (any other shape would broadcast into the compressed
+    keys unnoticed)."""
+    result = pool_fn(k_blocks, v_blocks)
+    want = (k_blocks.shape[0], *k_blocks.shape[2:])
+    pair = isinstance(result, (tuple, list)) and len(result) == 2
+    if not pair or any(getattr(x, "shape", None) != want or not jnp.issubdtype(x.dtype, jnp.floating) for x in result):
+        parts = result if isinstance(result, (tuple, list)) else [result]
+        got = [(getattr(x, "shape", None), str(getattr(x, "dtype", type(x).__name__))) for x in parts]
+        raise ValueError(
+            f"pool_fns: a learned pooling function maps blocks [C, block, HKV, D] = {tuple(k_blocks.shape)} to a pair "
+            f"(k_cmp, v_cmp) of floating [C, HKV, D] = {want} arrays; got {type(result).__name__} {got}"
+        )
+    return result
 
 
 def first_compressed_row(offsets: jax.Array, key_row, block: int, stride: int) -> jax.Array:

@@ -49,11 +49,23 @@ def _index_array(name: str, value: object) -> jax.Array:
     if isinstance(value, (np.ndarray, np.generic, list, tuple)):
         host = np.asarray(value)
         if np.issubdtype(host.dtype, np.integer):
-            value = np.clip(host, _INT32.min, _INT32.max).astype(np.int32)
+            value = _as_int32(host, np)
     array = _array(name, value)
     if not jnp.issubdtype(array.dtype, jnp.integer):
         return array
-    return jnp.clip(array, _INT32.min, _INT32.max).astype(jnp.int32)
+    return _as_int32(array, jnp)
+
+
+def _as_int32(array, xp):
+    """`array` (numpy's or jax's integers, xp its module) as int32, clamped to int32's range by
+    the bounds its dtype reaches past only: a bound outside the dtype's own range would wrap in
+    it (int16's -2**31 is 0) and make every value that bound."""
+    info = xp.iinfo(array.dtype)
+    low = _INT32.min if info.min < _INT32.min else None
+    high = _INT32.max if info.max > _INT32.max else None
+    if low is not None or high is not None:
+        array = xp.clip(array, low, high)
+    return array.astype(xp.int32)
 
 
 def _is_concrete(x: jax.Array) -> bool:
@@ -329,5 +341,7 @@ def selection(block_indices: object, block_counts: object, shapes: Shapes, block
         counts = _index_array("block_counts", block_counts)
         if not jnp.issubdtype(counts.dtype, jnp.integer):
             raise ValueError(f"block_counts must be an int or an integer array, got {counts.dtype}")
+        if counts.ndim == 0:  # one count for every token, maybe traced
+            counts = jnp.broadcast_to(counts, (shapes.batch, shapes.query_len, shapes.heads_kv))
         counts = _per_token("block_counts", counts, shapes, block, cu, ())
     return indices, counts
