@@ -48,7 +48,7 @@ def forwards(length: int):
     attention = nsa_dsl.compile(NSA_PATTERN.format(block=s.block, selected=s.selected, window=s.window))
     module = codegen.load_module("triton", attention.plan, for_device(attention.config))
     group = s.q_heads // s.kv_heads
-    window = module.Static(module.static_kernels_swa, s.kv_heads, group, s.head_dim, False, seq_len=length)
+    window = module.Static(module.static_kernels_ranges, s.kv_heads, group, s.head_dim, False, seq_len=length)
     compression = module.Compression(s.block, s.block, s.kv_heads, group, s.head_dim, 0, length)
     count = (length - s.block) // s.block + 1
     keys = jax.random.split(jax.random.key(length), 6)

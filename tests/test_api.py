@@ -231,6 +231,18 @@ def test_branch_names_cannot_clash_with_generated_names(rng, platform):
     assert np.abs(np.asarray(out) - expected).max() <= 1e-4 * np.abs(expected).max()
 
 
+@pytest.mark.parametrize("platform", ["xla", "triton", "pallas"])
+def test_a_branch_named_as_other_branches_joined(rng, platform):
+    """Triton runs a and b (key ranges) in one launch and a_b (a table) in its own: the fused
+    launch was named a_b too, and the module's second definition replaced the first."""
+    attention = nsa_dsl.compile(
+        "pattern p\nblock 16\nbranch a = window(8)\nbranch b = local(2)\nbranch a_b = stride(3) - local(1)\n")
+    q, k, v = qkv(rng, 1, 70, 2, 1, 8)
+    out = attention(q, k, v, platform=platform)
+    expected = reference_output(attention.plan, q, k, v)
+    assert_close(out, expected, FORWARD_TOLERANCE, platform)
+
+
 @pytest.mark.parametrize("platform, backend", [("xla", None), ("triton", None), ("pallas", None), ("pallas", "tpu")])
 def test_exact_ties_go_to_the_lower_block(rng, platform, backend):
     """README: the top-k breaks exact ties towards the lower block id. One key vector at every

@@ -429,7 +429,7 @@ def window_and_compression(block, stride, window, seq_len, heads_kv, group, head
     its compression."""
     attn = nsa_dsl.compile(WINDOW_AND_COMPRESSION.format(block, stride, window))
     module = codegen.load_module("triton", attn.plan, for_device(attn.config))
-    window_spec = module.Static(module.static_kernels_swa, heads_kv, group, head_dim, packed, seq_len=seq_len)
+    window_spec = module.Static(module.static_kernels_ranges, heads_kv, group, head_dim, packed, seq_len=seq_len)
     return module, window_spec, module.Compression(block, stride, heads_kv, group, head_dim, 0, seq_len)
 
 

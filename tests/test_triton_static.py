@@ -95,14 +95,14 @@ def test_range_branches_share_a_launch_and_read_no_table():
     plan = lower(pattern)
     launches = static_launches(plan)
     assert [(launch.name, launch.fused, launch.ranges is None) for launch in launches] == [
-        ("swa_sink", True, False), ("drawn", False, True),
+        ("ranges", True, False), ("table_drawn", False, True),
     ]
     # Keys a query sees beyond the global prefix (what bounds a decoding step's walk): the window's;
     # a table launch's unbounded.
     assert [launch.reach(64) for launch in launches] == [512, MAX_TOKENS]
     source = codegen.source("triton", plan, None)
-    assert "fused_output(\n        static_kernels_swa_sink," in source
-    assert 'table_attention(Static(static_kernels_drawn' in source
+    assert "fused_output(\n        static_kernels_ranges," in source
+    assert 'table_attention(Static(static_kernels_table_drawn' in source
     assert 'tables["swa"]' not in source and 'tables["sink"]' not in source
     forward = source[source.index("def branch_forward_swa("):source.index("def branch_dq_swa(")]
     assert "q_first - 511" in forward and "tl.load" not in forward  # the window's range, from its constants
@@ -118,7 +118,7 @@ def test_range_branches_share_a_launch_and_read_no_table():
 def test_tiles_shrink_to_fit_wide_heads_and_float32_in_shared_memory():
     plan = compiled([U(W(64), S(4, 1))], block=64).plan
     module = codegen.load_module("triton", plan, None)
-    spec = module.Static(module.static_kernels_b0, 2, 4, 192, False)
+    spec = module.Static(module.static_kernels_ranges, 2, 4, 192, False)
     for dtype, itemsize in (("bfloat16", 2), ("float32", 4)):
         row = 256 * itemsize  # head dim 192, padded to 256
         forward = module.range_settings(spec, "static_forward", dtype)
@@ -142,7 +142,7 @@ def test_a_decoding_steps_tiles_hold_the_groups_heads():
     module = codegen.load_module("triton", plan, None)
     cases = ((16, 1, 1, 16), (4, 1, 4, 4), (1, 1, 16, 1), (16, 3, 4, 16), (16, 0, 128, 1))
     for group, shard_rows, rows, heads in cases:
-        spec = module.Static(module.static_kernels_b0, 2, group, 64, False, shard_rows=shard_rows)
+        spec = module.Static(module.static_kernels_ranges, 2, group, 64, False, shard_rows=shard_rows)
         for kernel in ("static_forward", "static_backward_dq"):
             settings = module.range_settings(spec, kernel, "float16")
             assert (settings["BLOCK_M"], settings["HEADS"]) == (rows, heads), (group, shard_rows, kernel, settings)
@@ -248,7 +248,7 @@ def test_hopper_kernels_take_aligned_rows_of_whole_tiles_of_eight_float16_bfloat
     module = codegen.load_module("triton", attention.plan, for_device(attention.config))
 
     def applies(seq_len, head_dim=64, dtype=jnp.bfloat16, packed=False):
-        spec = module.Static(module.static_kernels_b0, 2, 2, head_dim, packed, seq_len=seq_len)
+        spec = module.Static(module.static_kernels_ranges, 2, 2, head_dim, packed, seq_len=seq_len)
         return module.hopper_window_applies(spec, jax.ShapeDtypeStruct((seq_len, 4, head_dim), dtype))
 
     assert applies(1024) and applies(328) and applies(1000, 128, jnp.float16, packed=True)
@@ -269,7 +269,7 @@ def test_hopper_kernels_cover_every_visible_pair_and_skip_the_mask_only_where_al
     rows = module.HOPPER_BLOCK_Q
     padded = -(-seq_len // (2 * rows)) * 2 * rows
     packed = cu_seqlens is not None
-    spec = module.Static(module.static_kernels_b0, 1, 1, 64, packed, seq_len=seq_len)
+    spec = module.Static(module.static_kernels_ranges, 1, 1, 64, packed, seq_len=seq_len)
     if packed:
         offsets = jnp.asarray(cu_seqlens, jnp.int32)
         starts, ends = (np.asarray(x)[0] for x in module._sequence_rows(spec, offsets, padded))
@@ -359,7 +359,7 @@ def test_hopper_kernels_lower_for_cuda(keys):
              (1, 4096, 16, 1, 128, jnp.float16, None))
     for batch, seq_len, heads_kv, group, head_dim, dtype, cu_seqlens in cases:
         packed = cu_seqlens is not None
-        spec = module.Static(module.static_kernels_b0, heads_kv, group, head_dim, packed, seq_len=seq_len)
+        spec = module.Static(module.static_kernels_ranges, heads_kv, group, head_dim, packed, seq_len=seq_len)
         offsets = jnp.asarray(cu_seqlens if packed else np.arange(batch + 1) * seq_len, jnp.int32)
         q = jax.ShapeDtypeStruct((batch * seq_len, heads_kv * group, head_dim), dtype)
         k = jax.ShapeDtypeStruct((batch * seq_len, heads_kv, head_dim), dtype)
@@ -387,7 +387,7 @@ def test_hopper_forward_walks_cover_what_their_rows_see(window, group):
     block = module.HOPPER_BLOCK_KV
     for seq_len, cu_seqlens in ((1000, None), (1000, [0, 3, 300, 301, 990])):
         packed = cu_seqlens is not None
-        spec = module.Static(module.static_kernels_b0, 1, group, 64, packed, seq_len=seq_len)
+        spec = module.Static(module.static_kernels_ranges, 1, group, 64, packed, seq_len=seq_len)
         offsets = jnp.asarray(cu_seqlens if packed else [0, seq_len], jnp.int32)
         starts = module._sequence_rows(spec, offsets, module._tiles(seq_len) * 2 * module.HOPPER_BLOCK_Q)[0]
         visibility = module._Visibility.of(spec)

@@ -144,8 +144,11 @@ class StaticLaunch:
 
     @property
     def name(self) -> str:
-        """The launch's name in generated code: its branches' names."""
-        return "_".join(b.name for b in self.branches)
+        """The launch's name in generated code (a suffix of its kernels' names): "ranges" for
+        the launch of the range-form branches (a plan has one at most), "table_<branch>" for a
+        branch over its table, so no two launches share one (the branches' names joined by "_"
+        did: a and b fused against a table branch a_b)."""
+        return "ranges" if self.ranges is not None else f"table_{self.branches[0].name}"
 
     @property
     def fused(self) -> bool:
