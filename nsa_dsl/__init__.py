@@ -11,7 +11,7 @@
 from ._version import __version__
 from .api import DECODE_COMPILER_OPTIONS, SparseAttention, compile, native_sparse_attention
 from .autotune import AutotuneWarning
-from .codegen import UnsafeTemplateValue
+from .codegen import CacheWarning, UnsafeTemplateValue
 from .config import NativeSparseAttentionConfig
 from .errors import NsaError, NsaSemanticError, NsaSyntaxError
 from .kernel import Invocation, Kernel, NativeSparseAttention
@@ -19,6 +19,7 @@ from .runtime.platform import PlatformLimitError
 
 __all__ = [
     "AutotuneWarning",
+    "CacheWarning",
     "DECODE_COMPILER_OPTIONS",
     "Invocation",
     "Kernel",

@@ -54,7 +54,7 @@ import numpy as np
 
 from ._version import __version__
 from .codegen import cache_root
-from .codegen.cache import library_version, write_atomically
+from .codegen.cache import CacheWarning, library_version, write_atomically
 
 if TYPE_CHECKING:
     from .kernel import Invocation, Kernel
@@ -189,8 +189,13 @@ def read_entry(path: Path, config_type: type) -> tuple[Any, dict] | None:
 
 
 def write_entry(path: Path, entry: Mapping[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomically(path, json.dumps({"sha256": _checksum(entry), "entry": entry}, indent=1).encode())
+    """Store a tuning's entry; where the cache cannot take it, warn (the process keeps its choice,
+    a later process tunes again)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(path, json.dumps({"sha256": _checksum(entry), "entry": entry}, indent=1).encode())
+    except OSError as err:
+        warnings.warn(f"nsa_dsl could not store a tuned configuration at {path} ({err})", CacheWarning, stacklevel=3)
 
 
 # Choices already read or made in this process, by entry path (None: no entry on disk).

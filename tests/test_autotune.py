@@ -496,3 +496,11 @@ def test_tuning_on_a_gpu_at_a_real_size(tmp_path, monkeypatch, rng):
     assert entry["forward_backward_ms"] <= heuristic["forward_backward_ms"]
     autotune.forget()
     assert nsa.choose_cfg(inv) == chosen
+
+
+def test_a_tuning_that_cannot_be_stored_warns_and_is_kept(tmp_path):
+    """A cache that cannot take a tuned entry costs later processes a tuning, not this call."""
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.warns(nsa_dsl.CacheWarning, match="could not store a tuned configuration"):
+        autotune.write_entry(blocker / "ab" / "entry.json", {"key": "entry", "cfg": {}})

@@ -258,3 +258,33 @@ def test_compiled_executables_persist_for_the_next_process(tmp_path):
         subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=300)
         entries = list((cache / "jax").glob("*")) if (cache / "jax").exists() else []
         assert bool(entries) == expect_entries, (setting, entries)
+
+
+@pytest.mark.parametrize("taken", ["root_is_a_file", "entry_is_a_directory"])
+def test_a_cache_that_cannot_be_written_runs_the_module_from_memory(tmp_path: Path, monkeypatch, taken: str) -> None:
+    """A cache that cannot take an entry (a read-only or shared directory, a path taken by
+    something else) costs the entry, not the call: it warns and runs the rendered module from
+    memory, Triton's kernels included (its JIT reads their source through linecache). Writing
+    the entry was an OSError out of the call."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    import nsa_dsl
+    from nsa_dsl.runtime.check import reference_output
+    from nsa_dsl.runtime.platform import for_device
+
+    root = tmp_path / "cache"
+    monkeypatch.setenv("NSA_DSL_CACHE_DIR", str(root))
+    attention = nsa_dsl.compile(f"pattern unwritable_{taken}\nblock 16\nbranch m = window(9) | global(first=1)\n")
+    if taken == "root_is_a_file":
+        root.write_text("not a directory")
+    else:
+        for platform in ("xla", "triton"):
+            cache.cache_path(platform, attention.plan, for_device(attention.config)).mkdir(parents=True)
+    rng = np.random.default_rng(7)
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 40, 2, 8)), jnp.float32) for _ in range(3))
+    expected = reference_output(attention.plan, q, k, v)
+    for platform in ("xla", "triton"):
+        with pytest.warns(cache.CacheWarning, match="could not write"):
+            out = np.asarray(attention(q, k, v, platform=platform))
+        assert np.abs(out - expected).max() <= 1e-5 * np.abs(expected).max()

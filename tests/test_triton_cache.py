@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import jax
 import pytest
 
+from nsa_dsl import CacheWarning
 from nsa_dsl.runtime import triton_cache
 
 
@@ -102,7 +103,7 @@ def test_writers_racing_on_one_entry_leave_it_valid(tmp_path, rng):
 def test_an_unwritable_cache_warns_and_loses_nothing(tmp_path, rng):
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
-    with pytest.warns(UserWarning, match="could not cache a compiled Triton kernel"):
+    with pytest.warns(CacheWarning, match="could not cache a compiled Triton kernel"):
         triton_cache._write_entry(blocker / "ab" / "entry.json", compilation(rng), {})
 
 

@@ -10,6 +10,8 @@ files are written to a temporary file in the same directory and moved into place
 `os.replace` (atomic), the sidecar after the module. Rendering is deterministic, so racing
 writers write identical bytes and any interleaving leaves one valid entry. An entry whose
 sidecar is missing, unreadable or disagrees with the module is regenerated, never trusted.
+A cache that cannot take an entry (read-only, shared, a path taken by something else) costs the
+entry, not the call: a CacheWarning, and the module runs from the text rendered in memory.
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import json
+import linecache
 import os
 import re
 import secrets
 import sys
 import threading
 import types
+import warnings
 from pathlib import Path
 
 from .._version import __version__
@@ -32,6 +36,11 @@ from ..plan.plan import Plan
 from .render import Code, UnsafeTemplateValue, plan_literal, render, template_texts
 
 _LIBRARIES = ("jax", "jaxlib", "triton")
+
+
+class CacheWarning(UserWarning):
+    """An on-disk cache entry could not be written: the work goes on from memory, and a later
+    process does it again."""
 
 
 def cache_root() -> Path:
@@ -125,10 +134,17 @@ def _ensure_entry(backend: str, key: str, plan: Plan, config: NativeSparseAttent
         return path, cached
     text = _render_module(backend, plan, config)
     data = text.encode()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomically(path, data)
     sidecar = {"sha256": _sha256(data), "nsa_dsl": __version__, "backend": backend, "pattern": plan.name}
-    write_atomically(path.with_suffix(".json"), json.dumps(sidecar, indent=1).encode())
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(path, data)
+        write_atomically(path.with_suffix(".json"), json.dumps(sidecar, indent=1).encode())
+    except OSError as err:
+        warnings.warn(
+            f"nsa_dsl could not write the generated module of pattern {plan.name!r} to its cache ({err}); running it "
+            f"from memory. Point NSA_DSL_CACHE_DIR at a writable directory to keep it for later processes.",
+            CacheWarning, stacklevel=4,
+        )
     return path, text
 
 
@@ -153,8 +169,11 @@ def load_module(backend: str, plan: Plan, config: NativeSparseAttentionConfig | 
         assert spec is not None  # a .py path always yields a spec
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module  # dataclasses and pickling look their module up here
+        # Run the text that was just verified (or rendered, where the cache could not take it), not
+        # whatever the file holds a moment later; linecache serves the same text to tracebacks and
+        # to Triton's JIT, which reads its kernels' source through inspect.
+        linecache.cache[str(path)] = (len(text), None, text.splitlines(keepends=True), str(path))
         try:
-            # Run the text that was just verified, not whatever the file holds a moment later.
             exec(compile(text, str(path), "exec"), module.__dict__)
         except BaseException:
             del sys.modules[name]

@@ -32,7 +32,7 @@ import shutil
 import warnings
 from pathlib import Path
 
-from ..codegen.cache import cache_root, write_atomically
+from ..codegen.cache import CacheWarning, cache_root, write_atomically
 
 # The wrapper's first line after the interpreter: how `install` recognises wrappers already on PATH.
 _MARKER = "# nsa_dsl ptxas cache"
@@ -52,7 +52,7 @@ def install() -> Path | None:
     try:
         wrapper = _write_wrapper(Path(real).absolute())  # XLA may run it from another directory
     except OSError as err:
-        warnings.warn(f"nsa_dsl: ptxas outputs are not cached on disk ({err})", stacklevel=2)
+        warnings.warn(f"nsa_dsl: ptxas outputs are not cached on disk ({err})", CacheWarning, stacklevel=2)
         return None
     os.environ["PATH"] = os.pathsep.join((str(wrapper.parent), search_path))
     return wrapper

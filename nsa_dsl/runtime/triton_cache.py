@@ -29,7 +29,7 @@ import warnings
 from pathlib import Path
 
 from .._version import __version__
-from ..codegen.cache import cache_root, library_version, write_atomically
+from ..codegen.cache import CacheWarning, cache_root, library_version, write_atomically
 
 # Generated modules are imported under this prefix (codegen.cache.load_module).
 _GENERATED_PREFIX = "nsa_dsl_generated_"
@@ -168,4 +168,4 @@ def _write_entry(path: Path, compilation, attrs: dict) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomically(path, stored.encode())
     except OSError as err:  # a read-only or full disk costs the next process a compile, nothing more
-        warnings.warn(f"nsa_dsl: could not cache a compiled Triton kernel at {path}: {err}", stacklevel=2)
+        warnings.warn(f"nsa_dsl could not cache a compiled Triton kernel at {path} ({err})", CacheWarning, stacklevel=2)
