@@ -210,6 +210,8 @@ def compile(
     NsaSemanticError, located in the source, for bad text.
     """
     config = _config("config", config)
+    if pattern is not None and not isinstance(pattern, str):
+        raise ValueError(f"pattern must be a str or None, got {type(pattern).__name__}")
     checked = dsl.load_pattern(path_or_source, name=pattern, overrides=params)
     return SparseAttention(checked, lower(checked), config)
 

@@ -36,7 +36,11 @@ class NsaError(Exception):
         where = self.file if self.line is None else f"{self.file}:{self.line}:{self.column}"
         text = f"{where}: {type(self).__name__}: {self.message}"
         if self.source_line is not None and self.column is not None:
-            text += f"\n    {self.source_line}\n    {' ' * (self.column - 1)}^"
+            # The line is echoed as written, tabs included; indenting the caret with the same tabs
+            # keeps it under the column whatever a terminal's tab width.
+            before = self.source_line[: self.column - 1]
+            indent = "".join(c if c == "\t" else " " for c in before).ljust(self.column - 1)
+            text += f"\n    {self.source_line}\n    {indent}^"
         if self.hint:
             text += f"\n  hint: {self.hint}"
         return text

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import nsa_dsl
 from nsa_dsl.dsl import load, load_pattern, parse
 from nsa_dsl.errors import NsaError, NsaSemanticError, NsaSyntaxError
 
@@ -39,6 +40,18 @@ SYNTAX = [
     (HEAD + "branch b = window(block)", "unexpected ')'", 3, 24, "expected '='"),
     (HEAD + "branch b = local(1) gate g_slc default -1", "unexpected '-'", 3, 40, None),
     ("pattern p\nparam x = 99999999999999999999", "integer literal too large", 2, 11, "integers must be below 2**63"),
+    (  # leading zeros are not counted, the digits after them are
+        "pattern p\nparam x = " + "0" * 5000 + "9223372036854775808",
+        "integer literal too large",
+        2,
+        11,
+        "integers must be below 2**63",
+    ),
+    # digits are ASCII: other Unicode digits are stray characters, not part of a number
+    (HEAD + "branch b = window(4\u0661)", "unexpected character '\u0661'", 3, 20, None),
+    (HEAD + "branch b = window(\uff18)", "unexpected character '\uff18'", 3, 19, None),
+    (HEAD + "param x = 0.\u0665", "unexpected character '\u0665'", 3, 13, None),
+    ("pattern p\nblock 1\u0966", "unexpected character '\u0966'", 2, 8, None),
 ]
 
 
@@ -536,14 +549,53 @@ def test_semantic_error_text_has_caret():
     )
 
 
+def test_caret_lines_up_under_tabs():
+    """The caret's indent copies the echoed line's tabs, so it sits under the column at any tab width."""
+    err = failure("pattern p\n\tblock\t64\n\tbranch b =\twindow(4)\t|\tglobl(1)\n", file="t.nsa")
+    assert (err.line, err.column) == (3, 25)
+    assert str(err).splitlines()[:3] == [
+        "t.nsa:3:25: NsaSemanticError: unknown function 'globl'",
+        "    \tbranch b =\twindow(4)\t|\tglobl(1)",
+        "    \t          \t         \t \t^",
+    ]
+
+
+def test_block_atom_limit_is_a_located_error():
+    """Lowering numbers a key set's distinct block atoms in the bits of an int32; the checker
+    refuses the 32nd, at the branch's expression, before anything is lowered."""
+    atoms = [f"stride({every})" for every in range(2, 34)]
+    union = " | ".join(atoms)
+    err = failure(HEAD + "branch ok = window(4)\nbranch many = " + union + "\n", file="atoms.nsa")
+    assert type(err) is NsaSemanticError
+    assert err.message == "branch 'many' uses 32 distinct block atoms; at most 31"
+    assert (err.file, err.line, err.column) == ("atoms.nsa", 4, 408)  # the expression's last '|'
+    assert err.hint == (
+        "block atoms are the local, stride, global, blocks and random calls, counted after inlining "
+        "branch references; equal ones count once"
+    )
+    assert str(err).startswith("atoms.nsa:4:408: NsaSemanticError: ")
+    assert str(err).splitlines()[2].endswith("^")
+    # 31 are fine, and equal atoms (after inlining too) count once
+    assert len(load_pattern(HEAD + "branch b = " + " | ".join(atoms[:31])).branches[0].keys.parts) == 31
+    twice = HEAD + "branch a = " + " | ".join(atoms[:31]) + "\nbranch b = a - (" + " | ".join(atoms[:31]) + ")"
+    assert len(load_pattern(twice).branches) == 2
+    # a branch referenced into another counts there with that branch's own atoms
+    halves = HEAD + "branch a = " + " | ".join(atoms[:16]) + "\nbranch b = a | " + " | ".join(atoms[16:])
+    err = failure(halves)
+    assert (err.message, err.line, err.column) == ("branch 'b' uses 32 distinct block atoms; at most 31", 4, 209)
+    forced = CMP + "branch b = topk(40, score=cmp, force=" + union + ")"
+    err = failure(forced)
+    assert (err.message, err.line, err.column) == ("topk() force= uses 32 distinct block atoms; at most 31", 4, 431)
+
+
 def test_deep_nesting_is_an_error_not_a_crash():
     deep = HEAD + "branch b = " + "window(" * 300 + "1" + ")" * 300
     err = failure(deep)
     assert type(err) is NsaSemanticError and err.message == "expression nested too deeply"
     parens = HEAD + "param x = " + "-(" * 300 + "1" + ")" * 300 + "\nbranch b = local(1)"
     assert failure(parens).message == "expression nested too deeply"
-    # long left-associative chains are not nesting
-    chain = HEAD + "branch b = " + " | ".join(f"blocks({i})" for i in range(2000))
+    # long left-associative chains are not nesting (windows: no block atoms, which are at most 31)
+    chain = HEAD + "branch b = " + " | ".join(f"window({i})" for i in range(1, 2001))
     assert len(load_pattern(chain).branches[0].keys.parts) == 2000
 
 
@@ -582,7 +634,9 @@ def test_unknown_override(overrides, message, hint):
         ("window", np.bool_(True), "an integer", "512"),
         ("window", "big", "an integer", "512"),
         ("window", "9" * 30, "an integer", "512"),
+        ("window", "\u0661\u0660\u0662\u0664", "an integer", "512"),  # Arabic-Indic digits are no number
         ("ratio", "x", "a float", "0.5"),
+        ("ratio", "\uff10.5", "a float", "0.5"),
         ("ratio", float("inf"), "a float", "0.5"),
         ("ratio", False, "a float", "0.5"),
         ("on", 1, "a bool", "true"),
@@ -628,3 +682,10 @@ def test_unreadable_file(tmp_path):
         bad.write_text("pattern p\nblock 64\nbranch b = local(1))\n")
         load(bad)
     assert (info.value.file, info.value.line, info.value.column) == (str(bad), 3, 20)
+
+
+def test_compile_refuses_a_pattern_name_that_is_no_str():
+    text = HEAD + "branch b = local(1)\npattern other\nblock 64\nbranch b = local(1)"
+    for name in (1, 2.5, b"p"):
+        with pytest.raises(ValueError, match=f"^pattern must be a str or None, got {type(name).__name__}$"):
+            nsa_dsl.compile(text, pattern=name)

@@ -87,6 +87,12 @@ def test_atoms(expression, expected):
     assert keys(expression) == expected
 
 
+def test_leading_zeros_change_no_number():
+    # more digits than Python's int() converts (4300), all but the last zeros
+    assert keys("window(" + "0" * 5000 + "1)") == W(1, 0)
+    assert keys("window(007, right=00)") == W(7, 0)
+
+
 def test_readme_example():
     pattern = load_pattern(
         """

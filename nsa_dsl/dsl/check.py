@@ -398,6 +398,14 @@ class _PatternChecker:
                 f"{what} is too large after inlining branch references "
                 f"({nodes} nodes nested {nesting} deep; at most {MAX_KEYSET_NODES} nodes, {MAX_NESTING} deep)",
             )
+        atoms = _block_atoms(value)
+        if len(atoms) > model.MAX_BLOCK_ATOMS:
+            raise self.error(
+                node,
+                f"{what} uses {len(atoms)} distinct block atoms; at most {model.MAX_BLOCK_ATOMS}",
+                "block atoms are the local, stride, global, blocks and random calls, counted after inlining "
+                "branch references; equal ones count once",
+            )
         return value
 
     # ---- calls -----------------------------------------------------------------------------
@@ -751,9 +759,10 @@ def _parse_override(text: str, kind: type) -> object:
     text = text.strip()
     if kind is bool:
         return {"true": True, "false": False}.get(text, text)
-    if re.fullmatch(r"[+-]?\d{1,19}", text):
+    # ASCII digits only, as in the language (\d, int() and float() take any Unicode digit)
+    if re.fullmatch(r"[+-]?[0-9]{1,19}", text):
         return int(text)
-    if kind is float and re.fullmatch(r"[+-]?(\d+\.\d*|\.\d+|\d+)([eE][+-]?\d{1,3})?", text):
+    if kind is float and re.fullmatch(r"[+-]?([0-9]+\.[0-9]*|\.[0-9]+|[0-9]+)([eE][+-]?[0-9]{1,3})?", text):
         return float(text)
     return text
 
@@ -783,6 +792,19 @@ def _measure(keys: model.KeySet) -> tuple[int, int]:
             stack.append((node, True))
             stack.extend((child, False) for child in children)
     return sizes[id(keys)]
+
+
+def _block_atoms(keys: model.KeySet) -> set[model.BlockAtom]:
+    """The distinct block atoms of a key set, each of which lowering numbers by a bit of a table
+    entry. Walked as a tree, which the node limit checked first keeps small."""
+    atoms = set()
+    stack = [keys]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, model.BlockAtom):
+            atoms.add(node)
+        stack.extend(_children(node))
+    return atoms
 
 
 def _contains_window(keys: model.KeySet) -> bool:

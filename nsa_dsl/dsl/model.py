@@ -77,6 +77,10 @@ class Difference:
 BlockAtom = _U[Local, Stride, Global, Blocks, Random]
 """Atoms whose membership depends only on (query block, key block)."""
 
+# Distinct block atoms one key set may hold: lowering names each by a bit of an int32 block-table
+# entry, and the sign bit stays clear.
+MAX_BLOCK_ATOMS = 31
+
 KeySet = _U[Window, Local, Stride, Global, Blocks, Random, Union, Intersection, Difference]
 
 

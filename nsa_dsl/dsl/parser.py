@@ -104,8 +104,10 @@ class _ToAst(Transformer_NonRecursive):
     def _number(self, token: Token) -> ast.IntLiteral | ast.FloatLiteral:
         if token.type == "FLOAT":
             return ast.FloatLiteral(float(token.value), token.line, token.column)
-        digits = token.value.lstrip("0")
-        if len(digits) > len(str(_INT_LIMIT)) or int(token.value) >= _INT_LIMIT:
+        # Leading zeros change no number; converting without them also keeps int() clear of its
+        # 4300-digit limit, which the length check below guards for the digits that remain.
+        digits = token.value.lstrip("0") or "0"
+        if len(digits) > len(str(_INT_LIMIT)) or int(digits) >= _INT_LIMIT:
             raise NsaSyntaxError(
                 "integer literal too large",
                 file=self._file,
@@ -114,7 +116,7 @@ class _ToAst(Transformer_NonRecursive):
                 source_line=source_line(self._source, token.line),
                 hint="integers must be below 2**63",
             )
-        return ast.IntLiteral(int(token.value), token.line, token.column)
+        return ast.IntLiteral(int(digits), token.line, token.column)
 
     def true(self, meta, children):
         return ast.BoolLiteral(True, children[0].line, children[0].column)

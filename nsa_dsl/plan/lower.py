@@ -7,9 +7,6 @@ from ..errors import NsaSemanticError
 from . import plan as p
 from .ranges import MAX_TOKENS, clamped_atom
 
-# Bits of an int32 table entry that name block atoms (the sign bit stays clear).
-MAX_BLOCK_ATOMS = 31
-
 
 def lower(pattern: model.Pattern) -> p.Plan:
     return p.Plan(
@@ -54,8 +51,10 @@ def lower_keys(keys: model.KeySet) -> p.StaticKeys:
         raise TypeError(f"not a static key set: {node!r}")
 
     mask = rewrite(keys)
-    if len(atoms) > MAX_BLOCK_ATOMS:
-        raise NsaSemanticError(f"a key set may use at most {MAX_BLOCK_ATOMS} distinct block atoms, this one uses {len(atoms)}")
+    if len(atoms) > model.MAX_BLOCK_ATOMS:  # dsl.check refuses these in a pattern; key sets built by hand may hold them
+        raise NsaSemanticError(
+            f"a key set may use at most {model.MAX_BLOCK_ATOMS} distinct block atoms, this one uses {len(atoms)}"
+        )
     return p.StaticKeys(keys=keys, block_atoms=tuple(atoms), mask=mask)
 
 
