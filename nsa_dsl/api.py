@@ -14,7 +14,13 @@ from .dsl import model
 from .kernel import NativeSparseAttention, compressed_selection_plan, selection_plan
 from .plan import lower
 from .plan import plan as p
-from .runtime import attend, check_supported, choose_platform, compressed_cache, selections
+from .runtime import (
+    attend,
+    check_supported,
+    choose_platform,
+    compressed_cache,
+    selections,
+)
 from .runtime.check import CheckReport, check_pattern
 from .runtime.platform import for_device
 
@@ -75,9 +81,9 @@ def native_sparse_attention(
 def _concrete_int(value):
     """A concrete integer scalar array (jnp.int32(16), np.int64(16)) as the int it holds, so that
     it sizes the top-k like one; anything else as it is, for the kernel to take or refuse."""
-    if isinstance(value, (jax.Array, np.ndarray, np.generic)) and not isinstance(value, jax.core.Tracer):
-        if value.ndim == 0 and np.issubdtype(value.dtype, np.integer):
-            return int(value)
+    concrete = isinstance(value, (jax.Array, np.ndarray, np.generic)) and not isinstance(value, jax.core.Tracer)
+    if concrete and value.ndim == 0 and np.issubdtype(value.dtype, np.integer):
+        return int(value)
     return value
 
 

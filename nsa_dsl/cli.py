@@ -12,6 +12,8 @@ Bad input prints the located error, without a traceback, and exits 1; bad usage 
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -190,6 +192,19 @@ def summary(plan: p.Plan, seq_len: int, *, show_plan: bool = False) -> str:
     return "\n".join(lines)
 
 
+def _importable_elsewhere(module: str, target: Path) -> str | None:
+    """Where a module named `module` is importable from, unless it is `target` itself (a module an
+    earlier run wrote there): a pattern named jax compiled for Triton would write jax_triton.py."""
+    importlib.invalidate_caches()  # the finders cache folder listings
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):  # a parent package that fails to import, a module without a spec
+        return None
+    if spec is None or (spec.origin is not None and Path(spec.origin).resolve() == target.resolve()):
+        return None
+    return spec.origin or "a namespace package"
+
+
 # ---- the command -------------------------------------------------------------------------
 def _check(plan: p.Plan, platform: str, seq_len: int) -> bool:
     report = check_pattern(plan, seq_len, platform=platform)
@@ -230,7 +245,14 @@ def _compile(args: argparse.Namespace, platforms: list[str]) -> int:
                 print(f"nsa-compile: not generated: {err}", file=sys.stderr)
                 succeeded = False
                 continue
-            target = args.output / f"{plan.name}_{platform}.py"
+            module = f"{plan.name}_{platform}"
+            target = args.output / f"{module}.py"
+            shadowed = _importable_elsewhere(module, target)
+            if shadowed is not None:  # imported from its folder, it would hide that module (or be hidden by it)
+                print(f"nsa-compile: not generated: {target} would shadow the importable module {module} ({shadowed}); "
+                      f"rename pattern {plan.name!r}", file=sys.stderr)
+                succeeded = False
+                continue
             target.write_text(codegen.source(platform, plan))
             print(f"  {platform}: wrote {target} (cached at {codegen.cache_path(platform, plan)})")
             if args.check:
@@ -240,3 +262,4 @@ def _compile(args: argparse.Namespace, platforms: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+

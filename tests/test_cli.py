@@ -269,3 +269,22 @@ def test_check_runs_the_kernels_against_the_reference(source_file: Path, tmp_pat
     checks = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  check xla: ")]
     assert len(checks) == 2
     assert all(line.startswith("  check xla: ok: max relative error") and "at T=200" in line for line in checks)
+
+
+def test_a_module_that_would_shadow_an_installed_one_is_not_written(tmp_path: Path, monkeypatch, capsys) -> None:
+    """A pattern `jax` compiled for Triton would write jax_triton.py, which imported from its folder
+    hides the jax_triton package the Triton kernels launch through: refused, with the pattern to
+    rename; a module already written there by nsa-compile is its own and is written again."""
+    installed = tmp_path / "site"
+    installed.mkdir()
+    (installed / "shadowed_xla.py").write_text("")
+    monkeypatch.syspath_prepend(str(installed))
+    source = tmp_path / "p.nsa"
+    source.write_text("pattern shadowed\nblock 16\nbranch m = window(8)\n\npattern fine\nblock 16\nbranch m = window(8)\n")
+    out = tmp_path / "out"
+    assert cli.main([str(source), "-o", str(out), "--platform", "xla"]) == 1
+    err = capsys.readouterr().err
+    assert "shadowed_xla" in err and str(installed / "shadowed_xla.py") in err and "rename pattern 'shadowed'" in err
+    assert sorted(p.name for p in out.iterdir()) == ["fine_xla.py"]
+    monkeypatch.syspath_prepend(str(out))
+    assert cli.main([str(source), "-o", str(out), "--platform", "xla", "--pattern", "fine"]) == 0
