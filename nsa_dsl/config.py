@@ -14,7 +14,8 @@ class NativeSparseAttentionConfig:
     """Settings for `native_sparse_attention` and compiled patterns.
 
     `block_size` is the key-block size of explicit `block_indices` (as in ejkernel) and part
-    of the result's meaning; autotuning never changes it. Everything else only changes speed,
+    of the result's meaning; autotuning never changes it. It is native_sparse_attention's: a
+    compiled pattern's blocks are its `block` statement's. Everything else only changes speed,
     and None leaves a setting to the kernel's built-in (measured) default:
 
     - `block_k`: keys per step of Triton's per-token loops (several selected blocks at once)
