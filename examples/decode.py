@@ -36,6 +36,14 @@ def at_rows(x, rows):
     return jax.vmap(lambda x, row: jax.lax.dynamic_slice_in_dim(x, row, 1))(x, rows)
 
 
+def steps(text: str) -> int:
+    """--new's value: an int of at least 2."""
+    value = int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"at least 2 tokens (the first step compiles, the others are timed), got {value}")
+    return value
+
+
 def written(cache, new, rows):
     """cache [B, T, ...] with new [B, 1, ...] written at row rows[b] of each batch row b."""
     return jax.vmap(lambda c, n, row: jax.lax.dynamic_update_slice_in_dim(c, n, row, 0))(cache, new, rows)
@@ -44,7 +52,8 @@ def written(cache, new, rows):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompt", type=int, default=1000, help="the longest prompt's tokens (the others shorter)")
-    parser.add_argument("--new", type=int, default=24, help="tokens decoded one at a time")
+    parser.add_argument("--new", type=steps, default=24,
+                        help="tokens decoded one at a time (at least 2: the first step compiles, the others are timed)")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--platform", default=None, help="xla, triton or pallas (default: the best available)")
     args = parser.parse_args()

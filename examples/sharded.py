@@ -54,14 +54,14 @@ def layer(params, x, attention, heads_q, heads_kv, head_dim):
     return out.reshape(batch, seq_len, heads_q * head_dim) @ params["wo"]
 
 
-def mesh_for(devices: int, batch: int, seq_len: int, block: int) -> jax.sharding.Mesh:
-    """(data, context): as many devices on the batch as divide it, the rest on the sequence
-    (their count must divide seq_len / block)."""
+def mesh_for(devices: int, batch: int, seq_len: int) -> jax.sharding.Mesh:
+    """(data, context): as many devices on the batch as divide it, the rest on the sequence (their
+    count must divide seq_len; a pattern that needs more, such as whole blocks a shard for a top-k
+    per block(Q), says so as it is called)."""
     data = math.gcd(devices, batch)
     context = devices // data
-    if seq_len % (context * block):
-        raise SystemExit(f"--seq-len {seq_len} must be a multiple of {context * block} (the context axis "
-                         f"of {context} devices times the pattern's block {block})")
+    if seq_len % context:
+        raise SystemExit(f"--seq-len {seq_len} must be a multiple of the context axis' {context} devices")
     return jax.make_mesh((data, context), ("data", "context"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
 
@@ -93,7 +93,7 @@ def main() -> None:
 
     attention = nsa_dsl.compile(args.pattern)
     devices = jax.device_count()
-    mesh = mesh_for(devices, args.batch, args.seq_len, attention.plan.block_size)
+    mesh = mesh_for(devices, args.batch, args.seq_len)
     sharded = attention.sharded(mesh, batch_axis="data", sequence_axis="context")
     print(f"{devices} {jax.devices()[0].platform} device(s), mesh {dict(mesh.shape)}; pattern {attention.plan.name}, "
           f"B={args.batch} T={args.seq_len} HQ={args.heads_q} HKV={args.heads_kv} D={args.head_dim} {args.dtype}")

@@ -5,9 +5,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-import jax
-import numpy as np
-
 from . import codegen, dsl
 from .config import NativeSparseAttentionConfig
 from .dsl import model
@@ -72,19 +69,9 @@ def native_sparse_attention(
     tuning first where compiled GPU/TPU kernels run (NSA_DSL_AUTOTUNE=0: never, =1: always);
     "autotune": tune now unless stored; "heuristic": the defaults. See nsa_dsl.NativeSparseAttention.
     """
-    if g_cmp is not None:
-        block_counts = _concrete_int(block_counts)
     return _KERNEL(query, key, value, g_cmp, g_slc, block_indices, block_counts, softmax_scale, cu_seqlens, platform,
                    cfg=cfg)
 
-
-def _concrete_int(value):
-    """A concrete integer scalar array (jnp.int32(16), np.int64(16)) as the int it holds, so that
-    it sizes the top-k like one; anything else as it is, for the kernel to take or refuse."""
-    concrete = isinstance(value, (jax.Array, np.ndarray, np.generic)) and not isinstance(value, jax.core.Tracer)
-    if concrete and value.ndim == 0 and np.issubdtype(value.dtype, np.integer):
-        return int(value)
-    return value
 
 
 _KERNEL = NativeSparseAttention()

@@ -333,12 +333,23 @@ def nsa_plan(block_size: int, g_cmp, block_indices, block_counts) -> p.Plan:
     """The plan a native_sparse_attention call runs: top-k over compressed scores when g_cmp is
     given (block_counts is then the count), else the caller's block_indices."""
     if g_cmp is not None:
-        if isinstance(block_counts, bool) or not isinstance(block_counts, numbers.Integral) or block_counts < 1:
+        count = _concrete_int(block_counts)
+        if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 1:
             raise ValueError(f"block_counts: with g_cmp it is the number of blocks top-k selects, a positive int; got {block_counts!r}")
-        return compressed_selection_plan(block_size, int(block_counts))
+        return compressed_selection_plan(block_size, int(count))
     if block_indices is None:
         raise ValueError("block_indices is required when g_cmp is None: pass [B, T, HKV, S] key-block ids")
     return selection_plan(block_size)
+
+
+
+def _concrete_int(value):
+    """A concrete integer scalar array (jnp.int32(16), np.int64(16)) as the int it holds, so that
+    it sizes the top-k like one; anything else as it is (nsa_plan refuses what is no count)."""
+    concrete = isinstance(value, (jax.Array, np.ndarray, np.generic)) and not isinstance(value, jax.core.Tracer)
+    if concrete and value.ndim == 0 and np.issubdtype(value.dtype, np.integer):
+        return int(value)
+    return value
 
 
 # What the generated kernels read of a configuration (templates/<platform>): settings every

@@ -281,3 +281,18 @@ def test_every_candidate_gives_the_xla_result_on_a_gpu(rng, dtype):
         for cfg in nsa.candidate_cfgs_gpu(nsa.invocation(q, k, v, None, None, indices, 16, None, None, platform)):
             out = nsa(q, k, v, None, None, indices, 16, None, None, platform, cfg=cfg)
             assert_close(out, expected, nsa.tolerance(dtype), f"{cfg}")
+
+
+def test_a_top_k_count_as_an_integer_scalar_array_in_every_entry(rng):
+    """native_sparse_attention, the Kernel interface and its shard_map entry take a concrete
+    integer scalar array as the top-k's count alike (only the first did)."""
+    from nsa_dsl.sharding import sharded_native_sparse_attention
+
+    q, k, v = qkv(rng, 1, 40, 4, 2, 8)
+    g_cmp, g_slc = gate(rng, 1, 40, 4), gate(rng, 1, 40, 4)
+    want = np.asarray(nsa_dsl.native_sparse_attention(q, k, v, g_cmp, g_slc, None, 2, cfg=Config(block_size=16)))
+    mesh = jax.make_mesh((1,), ("data",))
+    entries = (nsa_dsl.NativeSparseAttention(16), sharded_native_sparse_attention(mesh, batch_axis="data", block_size=16))
+    for entry in entries:
+        got = entry(q, k, v, g_cmp, g_slc, None, jnp.int32(2), cfg="heuristic")
+        np.testing.assert_array_equal(np.asarray(got), want)
