@@ -265,7 +265,7 @@ def test_table_branches_bidirectional_float16_uneven_shards(rng):
         "branch wide = window(12, 20) | global(first=1) gate g_wide\n"
     ).plan
     assert [(launch.name, launch.ranges is None) for launch in static_launches(plan)] == [
-        ("wide", False), ("near", True), ("far", True)]
+        ("ranges", False), ("table_near", True), ("table_far", True)]
     seq_len, heads_q, heads_kv, head_dim = 64, 3, 1, 20
     cu = np.array([0, 9, 37, 60], np.int32)
     q, k, v = qkv(rng, 1, seq_len, heads_q, heads_kv, head_dim, dtype=np.float16)
