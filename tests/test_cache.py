@@ -260,6 +260,7 @@ def test_compiled_executables_persist_for_the_next_process(tmp_path):
         assert bool(entries) == expect_entries, (setting, entries)
 
 
+@pytest.mark.filterwarnings("ignore:Error reading persistent compilation cache")  # JAX's own cache, under the same root
 @pytest.mark.parametrize("taken", ["root_is_a_file", "entry_is_a_directory"])
 def test_a_cache_that_cannot_be_written_runs_the_module_from_memory(tmp_path: Path, monkeypatch, taken: str) -> None:
     """A cache that cannot take an entry (a read-only or shared directory, a path taken by
