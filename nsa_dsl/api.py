@@ -73,7 +73,6 @@ def native_sparse_attention(
                    cfg=cfg)
 
 
-
 _KERNEL = NativeSparseAttention()
 
 # Compiler options for a jitted decoding step: `jax.jit(step, compiler_options=DECODE_COMPILER_OPTIONS)`.

@@ -262,4 +262,3 @@ def _compile(args: argparse.Namespace, platforms: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-

@@ -342,7 +342,6 @@ def nsa_plan(block_size: int, g_cmp, block_indices, block_counts) -> p.Plan:
     return selection_plan(block_size)
 
 
-
 def _concrete_int(value):
     """A concrete integer scalar array (jnp.int32(16), np.int64(16)) as the int it holds, so that
     it sizes the top-k like one; anything else as it is (nsa_plan refuses what is no count)."""
