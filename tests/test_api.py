@@ -469,3 +469,19 @@ def test_a_count_as_an_integer_scalar_array_is_that_count(rng):
         np.testing.assert_array_equal(np.asarray(got), want)
     with pytest.raises(ValueError, match="block_counts"):
         jax.jit(lambda count: nsa_dsl.native_sparse_attention(q, k, v, g_cmp, None, None, count, cfg=config))(2)
+
+
+def test_gate_and_param_names_cannot_be_the_calls_own_arguments():
+    """A gate is passed to the attention call by name, a param override to compile: a gate named
+    query (or cu_seqlens, platform, ...) could never be passed, a param named config never
+    overridden. The language refuses those names, and its list is the calls' signatures."""
+    from nsa_dsl.dsl.check import CALL_ARGUMENTS
+
+    call = set(inspect.signature(nsa_dsl.SparseAttention.__call__).parameters) - {"g_cmp", "g_slc", "g_swa", "extra_gates"}
+    assert CALL_ARGUMENTS["gate"] == call
+    assert CALL_ARGUMENTS["param"] == set(inspect.signature(nsa_dsl.compile).parameters) - {"params"}
+    for name in ("query", "cu_seqlens", "platform", "compressed"):
+        with pytest.raises(nsa_dsl.NsaSemanticError, match=f"'{name}' cannot name a gate"):
+            nsa_dsl.compile(f"pattern p\nblock 16\ngate {name}\nbranch b = local(1) gate {name}\n")
+    with pytest.raises(nsa_dsl.NsaSemanticError, match="'config' cannot name a param"):
+        nsa_dsl.compile("pattern p\nparam config = 8\nblock 16\nbranch b = window(config)\n")

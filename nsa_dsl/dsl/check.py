@@ -26,6 +26,15 @@ from .parser import source_line
 RESERVED_WORDS = frozenset(
     "pattern param block causal bidirectional gate branch default per token if true false".split()
 )
+# Names a gate or param cannot take because Python calls pass them by name beside the call's own
+# arguments (SparseAttention.__call__'s for gates, nsa_dsl.compile's for param overrides).
+CALL_ARGUMENTS = {
+    "gate": frozenset(
+        "self query key value cu_seqlens softmax_scale platform block_indices block_counts pool_fns query_offset "
+        "scoring_query compressed".split()
+    ),
+    "param": frozenset(("path_or_source", "pattern", "config")),
+}
 MAX_SIZE = 2**31 - 1  # sizes, counts, ids and seeds: kernels index with int32
 MAX_INT = 2**63 - 1  # any integer an expression may produce
 MAX_NESTING = 100  # calls, unary minus, right-nested operators and forward branch references
@@ -236,6 +245,12 @@ class _PatternChecker:
                 ident,
                 f"'{ident.name}' is a Python keyword and cannot name a {what}",
                 "names become identifiers in generated Python code",
+            )
+        if ident.name in CALL_ARGUMENTS.get(what, ()):
+            raise self.error(
+                ident,
+                f"'{ident.name}' cannot name a {what}: it is an argument of the Python call that takes {what}s by name",
+                f"the call's own arguments: {', '.join(sorted(CALL_ARGUMENTS[what]))}",
             )
         return ident.name
 
