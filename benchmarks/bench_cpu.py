@@ -605,6 +605,14 @@ def parse_args(argv):
     return parser.parse_args(argv)
 
 
+def installed_version(name: str) -> str | None:
+    """The installed version of distribution `name`, None where it is not installed."""
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
@@ -628,7 +636,11 @@ def main(argv=None) -> int:
     mem_limit_mb = args.mem_limit_gb * 1024 if args.mem_limit_gb else 0.9 * memory_available_mb()
 
     started = datetime.datetime.now().astimezone()
-    versions = {name: metadata.version(name) for name in ("jax", "jaxlib", "numpy", "ejkernel")}
+    versions = {name: installed_version(name) for name in ("jax", "jaxlib", "numpy", "ejkernel")}
+    if "ejkernel" in impls and versions["ejkernel"] is None:
+        print("ejkernel is not installed here: use the benchmark venv (benchmarks/README.md) or --impls nsa_dsl",
+              file=sys.stderr)
+        return 2
     command = " ".join([sys.executable] + sys.argv)
     machine = machine_description()
     print(f"nsa_dsl vs ejkernel's XLA path on CPU, {started:%Y-%m-%d %H:%M %Z}")
