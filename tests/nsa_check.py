@@ -33,10 +33,12 @@ def weighted_pool(weights):
 
 def check_against_reference(rng, source, spec, *, batch, seq_len, heads_q, heads_kv, head_dim, dtype=np.float32,
                             cu_seqlens=None, gates=("cmp", "slc", "swa"), softmax_scale=None, config=None,
-                            gradients=True, platform="triton"):
+                            gradients=True, platform="triton", ranked=True):
     """Selections, output and gradients (of q, k, v, the gates, the softmax scale and, with
     spec.pool_weights, the learned pooling's weights) of the pattern `source` on `platform`
-    against spec's float64 reference (`gradients=False`: selections and output)."""
+    against spec's float64 reference (`gradients=False`: selections and output). `ranked`: some
+    row's top-k must leave out a block it could take, else a ranking that ignored the scores
+    would pass (random shapes, which may be too short for that, pass False)."""
     forward_tolerance, gradient_tolerance, score_rtol = TOLERANCE[dtype]
     scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
     attn = nsa_dsl.compile(source, config=config)
@@ -61,6 +63,8 @@ def check_against_reference(rng, source, spec, *, batch, seq_len, heads_q, heads
     (kernel_chosen,) = selections(q, k, v, weights).values()
     kernel_chosen = np.asarray(kernel_chosen)
     _, _, ref_chosen, scores = nsa_reference(q, k, v, spec, gates=g, scale=scale, cu_seqlens=cu)
+    assert not ranked or (np.isfinite(scores).sum(-1) > (ref_chosen >= 0).sum(-1)).any(), (
+        "every row selects every block it may take: lengthen the sequence so that the top-k ranks")
     assert ((kernel_chosen >= 0).sum(-1) == (ref_chosen >= 0).sum(-1)).all(), "number of selected blocks"
     got, want = chosen_scores(scores, kernel_chosen), chosen_scores(scores, ref_chosen)
     finite = np.isfinite(want)

@@ -40,9 +40,10 @@ import triton.language as tl  # noqa: E402
 @pytest.mark.parametrize(
     "example, seq_len, heads_q, heads_kv, head_dim",
     [
-        ("nsa", 37, 3, 1, 20),  # group 3, head dim 20: overlapping compression, three branches (one static)
-        ("nsa_meanpool", 33, 16, 1, 60),  # group 16, head dim 60
-        ("nsa", 29, 24, 1, 16),  # group 24: 32 head slots a token, 8 of them padding
+        # lengths past count + 1 blocks of 16, so that the top-k leaves blocks out
+        ("nsa", 101, 3, 1, 20),  # group 3, head dim 20: overlapping compression, three branches (one static)
+        ("nsa_meanpool", 77, 16, 1, 60),  # group 16, head dim 60
+        ("nsa", 85, 24, 1, 16),  # group 24: 32 head slots a token, 8 of them padding
     ],
 )
 def test_examples_match_the_paper(rng, example, seq_len, heads_q, heads_kv, head_dim):
@@ -60,9 +61,9 @@ def test_packed_sequences_with_learned_pooling(rng):
     )
     spec = NsaSpec(compress_block=8, compress_stride=4, select_count=3, select_block=16,
                    forced=lambda qb, kb: kb == qb, pool_weights=tuple(rng.uniform(0.0, 0.3, 8)))
-    # Group 1, two KV heads; a sequence too short to compress; rows 38.. in no sequence.
-    check_against_reference(rng, source, spec, batch=1, seq_len=40, heads_q=2, heads_kv=2, head_dim=16,
-                            cu_seqlens=[0, 6, 25, 38], gates=("cmp", "slc"), softmax_scale=0.4)
+    # Group 1, two KV heads; a sequence too short to compress; rows 88.. in no sequence.
+    check_against_reference(rng, source, spec, batch=1, seq_len=90, heads_q=2, heads_kv=2, head_dim=16,
+                            cu_seqlens=[0, 6, 25, 88], gates=("cmp", "slc"), softmax_scale=0.4)
 
 
 FORCE_FIRST, FORCE_OWN = ("global(first=1)", lambda qb, kb: kb < 1), ("local(1)", lambda qb, kb: kb == qb)
@@ -104,17 +105,17 @@ def test_selection_per_block_of_queries_in_float16(rng):
     spec = NsaSpec(compress_block=16, compress_stride=8, select_count=3, select_block=16, query_block=8,
                    forced=lambda qb, kb: kb < 1)
     # Group 2, head dim 100, two batch rows of odd length.
-    check_against_reference(rng, source, spec, batch=2, seq_len=29, heads_q=2, heads_kv=1, head_dim=100,
+    check_against_reference(rng, source, spec, batch=2, seq_len=61, heads_q=2, heads_kv=1, head_dim=100,
                             dtype=np.float16, gates=("cmp", "slc"))
 
 
 @pytest.mark.parametrize(
     "query_block, heads_q, heads_kv, cu_seqlens, score_gradients",
     [
-        (4, 3, 1, [0, 5, 31, 44], "stored"),
-        (16, 16, 1, [0, 21, 44], "stored"),
-        (16, 16, 1, [0, 21, 44], "recomputed"),
-        (4, 6, 2, [0, 5, 31, 44], "stored in head slices"),
+        (4, 3, 1, [0, 5, 31, 88], "stored"),
+        (16, 16, 1, [0, 21, 88], "stored"),
+        (16, 16, 1, [0, 21, 88], "recomputed"),
+        (4, 6, 2, [0, 5, 31, 88], "stored in head slices"),
     ],
 )
 def test_groups_of_queries_share_each_loaded_block(request, rng, query_block, heads_q, heads_kv, cu_seqlens,
@@ -138,7 +139,7 @@ def test_groups_of_queries_share_each_loaded_block(request, rng, query_block, he
     )
     spec = NsaSpec(compress_block=8, compress_stride=8, select_count=3, select_block=16, query_block=query_block,
                    forced=lambda qb, kb: kb == qb)
-    check_against_reference(rng, source, spec, batch=1, seq_len=47, heads_q=heads_q, heads_kv=heads_kv, head_dim=24,
+    check_against_reference(rng, source, spec, batch=1, seq_len=91, heads_q=heads_q, heads_kv=heads_kv, head_dim=24,
                             cu_seqlens=cu_seqlens, gates=("cmp", "slc"))
     if score_gradients == "stored in head slices":
         assert asked[0] // 2 in asked, "the backward did not try slices of half the KV heads"

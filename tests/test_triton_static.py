@@ -157,6 +157,14 @@ def test_causal_window_gqa3_odd_length_padded_head_dim(rng):
     check(rng, attention, *qkv(rng, 1, 45, 3, 1, 24))
 
 
+@pytest.mark.parametrize("window", [17, 18, 33, 34])
+def test_causal_windows_whose_edge_meets_a_tile_edge(rng, window):
+    """Windows of a tile (16 keys) plus one or two: a query tile's oldest key, and a key's last
+    query, fall on or beside a tile's edge, where a walk's bound one key off changes which tiles
+    are walked (W(40) on 45 tokens clamps every bound to 0 and would not see it)."""
+    check(rng, compiled([W(window)]), *qkv(rng, 1, 67, 2, 1, 16))
+
+
 def test_every_key_causal_batch_float16_two_heads_a_tile(rng):
     attention = compiled([L(2**31 - 1)], tiles=(16, 32), heads=2)  # every block up to the query's
     check(rng, attention, *qkv(rng, 2, 37, 4, 1, 16, dtype=np.float16))
