@@ -1,7 +1,7 @@
 """The Pallas kernels for explicit per-token selection, run with interpret=True on the CPU (the
 same kernel functions pl.pallas_call lowers through Triton on a GPU), against the float64
 reference: forward and gradients of q, k, v and the gate, float32, float16 and bfloat16, odd
-lengths, head dims 16 and 24, GQA groups 1 and 3, per-token counts, out-of-range and repeated
+lengths, head dims 16, 20 and 24, GQA groups 1, 3, 16 and 17, per-token counts, out-of-range and repeated
 entries, packed sequences; the GPU's padded tile layouts in the interpreter, and the kernels
 lowered (not run) for CUDA (what it shares with Triton is in test_interpreted_selection.py).
 Interpreted programs run one at a time, so shapes are small."""
@@ -52,6 +52,8 @@ def check_forward_and_gradients(rng, q, k, v, g_slc, indices, counts, block, cu_
         (np.float32, 2, 37, 1, 1, 16, 3, 16, True),  # group 1, T not a multiple of the block
         (np.float32, 1, 45, 6, 2, 24, 3, 8, True),  # group 3 over two KV heads, head dim not a power of two
         (np.float32, 1, 40, 3, 1, 16, 5, 16, False),  # more entries than blocks: repeats everywhere
+        (np.float32, 1, 37, 16, 1, 20, 3, 16, True),  # group 16
+        (np.float32, 1, 29, 34, 2, 16, 2, 8, True),  # group 17 over two KV heads
         (jnp.bfloat16, 1, 37, 3, 1, 24, 3, 16, True),
     ],
 )
