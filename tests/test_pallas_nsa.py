@@ -3,11 +3,12 @@ selection in the kernel, the selection and sliding-window kernels, gates), run w
 interpret=True on the CPU (the same kernel functions pl.pallas_call lowers through Triton on a
 GPU), against the float64 reference written from the paper's equations (tests/nsa_reference.py):
 the selected blocks (their reference scores, so that exact ties may pick other ids), outputs and
-the gradients of q, k, v and every gate; both NSA examples, odd lengths, GQA groups 1, 3 and 16,
-head dims 20 and 24, packed sequences, selection per block of queries, learned pooling, float16;
-several steps of every kernel loop (small steps patched in), the GPU's padded tile layouts in
-the interpreter, and the kernels lowered (not run) for CUDA. Each case compiles once (selection,
-forward and backward in one jit): shapes are small."""
+the gradients of q, k, v and every gate (nsa_check's cases: the softmax scale's too, and a top-k
+that must leave blocks out); both NSA examples, odd lengths, GQA groups 1, 3, 16 and 24, head
+dims 16, 20 and 24, packed sequences, selection per block of queries, learned pooling, float16;
+several steps of every kernel loop (small steps patched in), the GPU's and the TPU's padded tile
+layouts in the interpreter, and the kernels lowered (not run) for CUDA and a TPU. Shapes are
+small: the interpreter runs every program in Python."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import FORWARD_TOLERANCE, GRADIENT_TOLERANCE, assert_close, gate, lower_for_cuda, normal, qkv
+from nsa_check import check_against_reference
 from nsa_reference import PAPER, NsaSpec, chosen_scores, nsa_gradients, nsa_reference
 
 import nsa_dsl
@@ -129,26 +131,41 @@ def test_paper_example_in_several_steps(rng, monkeypatch):
     run_and_check(rng, text, spec, batch=1, seq_len=97, heads_q=6, heads_kv=2, head_dim=24, patch=small_steps)
 
 
-def test_meanpool_example_on_packed_sequences_in_gpu_tile_layouts(rng, monkeypatch):
+@pytest.fixture
+def pallas_constants(monkeypatch):
+    """set(**constants): every Pallas module the test's calls load (nsa_dsl runs the plan fitted to
+    the keys, Plan.fitted) gets these tile constants; no trace made with them outlives the test."""
+    patched = []
+
+    def set_constants(**constants):
+        load = codegen.load_module
+
+        def loading(platform, plan, config=None):
+            module = load(platform, plan, config)
+            if platform == "pallas":
+                for name, value in constants.items():
+                    monkeypatch.setattr(module, name, value)
+                patched.append(module)
+            return module
+
+        monkeypatch.setattr(codegen, "load_module", loading)
+        dispatch.kernel.cache_clear()
+        jax.clear_caches()
+
+    yield set_constants
+    dispatch.kernel.cache_clear()
+    jax.clear_caches()
+    assert patched, "the test loaded no Pallas module to patch"
+
+
+def test_meanpool_example_on_packed_sequences_in_gpu_tile_layouts(rng, pallas_constants):
     """Sixteen query heads per KV head, in the power-of-two tiles of the GPU lowering (a query
-    tile spans two programs; the top-k kernel scores 16 queries, padded, at a time)."""
+    tile spans two programs; the top-k kernel scores 16 queries, padded, at a time); packed
+    sequences of 15, 86 (6 blocks: the top-4 leaves some out) and 51 tokens, rows past 152 in none."""
     text, spec = meanpool_example()
-
-    def gpu_tiles(module):
-        monkeypatch.setattr(module, "POWER_OF_TWO_TILES", True)
-
-    run_and_check(
-        rng,
-        text,
-        spec,
-        batch=1,
-        seq_len=160,
-        heads_q=16,
-        heads_kv=1,
-        head_dim=20,
-        cu_seqlens=[0, 15, 70, 131, 150],
-        patch=gpu_tiles,
-    )  # rows past 150 belong to no sequence
+    pallas_constants(POWER_OF_TWO_TILES=True)
+    check_against_reference(rng, text, spec, batch=1, seq_len=163, heads_q=16, heads_kv=1, head_dim=20,
+                            cu_seqlens=[0, 15, 101, 152], gates=("cmp", "slc"), platform="pallas")
 
 
 def check_per_block_learned(rng, **options):
@@ -209,9 +226,11 @@ TPU = nsa_dsl.NativeSparseAttentionConfig(backend="tpu")
 
 @pytest.mark.parametrize("config", [None, TPU], ids=["gpu variant", "tpu variant"])
 def test_a_group_of_24_heads(rng, config):
-    """GQA 24 (more than 16, not a power of two): tiles of 32 head slots, 8 of them padding."""
+    """GQA 24 (more than 16, not a power of two): tiles of 32 head slots, 8 of them padding; 85
+    tokens, 6 blocks: past the 3 forced, the top-5 ranks 3 for 2 places."""
     text, spec = paper_example()
-    run_and_check(rng, text, spec, batch=1, seq_len=29, heads_q=24, heads_kv=1, head_dim=16, config=config)
+    check_against_reference(rng, text, spec, batch=1, seq_len=85, heads_q=24, heads_kv=1, head_dim=16,
+                            platform="pallas", config=config)
 
 
 def test_tpu_variant_paper_example_in_several_chunks(rng, monkeypatch):
@@ -229,28 +248,14 @@ def test_tpu_variant_paper_example_in_several_chunks(rng, monkeypatch):
     )
 
 
-def test_tpu_variant_meanpool_on_packed_sequences_in_tpu_tiles(rng, monkeypatch):
+def test_tpu_variant_meanpool_on_packed_sequences_in_tpu_tiles(rng, pallas_constants):
     """Sixteen query heads of one KV head on the TPU's (8, 128)-padded layouts (head dim 20 ->
-    128, groups -> 128 lanes); packed sequences, rows past the last in none."""
+    128, groups -> 128 lanes), chunks of 2 blocks; packed sequences of 15, 84 (6 blocks: the top-4
+    leaves some out) and 18 tokens, rows past the last in none."""
     text, spec = meanpool_example()
-
-    def tpu_tiles(module):
-        monkeypatch.setattr(module, "TPU_TILES", True)
-        monkeypatch.setattr(module, "SCORED_BLOCKS", 2)
-
-    run_and_check(
-        rng,
-        text,
-        spec,
-        batch=1,
-        seq_len=100,
-        heads_q=16,
-        heads_kv=1,
-        head_dim=20,
-        cu_seqlens=[0, 15, 70, 90],
-        patch=tpu_tiles,
-        config=TPU,
-    )
+    pallas_constants(TPU_TILES=True, SCORED_BLOCKS=2)
+    check_against_reference(rng, text, spec, batch=1, seq_len=131, heads_q=16, heads_kv=1, head_dim=20,
+                            cu_seqlens=[0, 15, 99, 117], gates=("cmp", "slc"), platform="pallas", config=TPU)
 
 
 def test_tpu_variant_per_block_of_queries_with_learned_pooling_float16(rng, monkeypatch):
