@@ -25,7 +25,14 @@ from conftest import (
     record_calls,
 )
 from nsa_check import TOLERANCE, check_against_reference
-from nsa_reference import NsaSpec, chosen_scores, nsa_reference, small_example
+from nsa_reference import (
+    NsaSpec,
+    chosen_scores,
+    compressed_kv,
+    dense_operators,
+    nsa_reference,
+    small_example,
+)
 
 import nsa_dsl
 from nsa_dsl import codegen
@@ -237,34 +244,42 @@ def walk_chunks(scores, valid, kept, keep_best: tl.constexpr, block_of: tl.const
     (32, 16, 24, np.float16, np.array([0, 7, 60, 95, 130])),  # overlapping blocks; a sequence with none
     (24, 8, 32, np.float32, np.array([0, 50, 101])),  # a block that is no power of two, 3 keys a token
 ])
-def test_mean_pool_is_pool_compressed(rng, block, stride, head_dim, dtype, cu_seqlens):
-    """The Triton module's mean pooling (one mean_pool launch) against layout.pool_compressed's
-    gather and mean on fresh random keys and values: the same rows, zeros past every sequence's
-    keys, and through its custom_vjp the same gradients."""
+def test_mean_pool_matches_the_reference(rng, block, stride, head_dim, dtype, cu_seqlens):
+    """The Triton module's mean pooling (one mean_pool launch) on fresh random keys and values
+    against the float64 reference's (nsa_reference.compressed_kv of each sequence and head, in
+    the rows layout.compressed_offsets gives them), zeros past every sequence's keys, and through
+    its custom_vjp the gradients of that linear map (the transpose of the reference's dense
+    pooling matrix, nsa_reference.dense_operators)."""
     source = (f"pattern p\nblock 16\nbranch c = compress(block={block}, stride={stride})\n"
               "branch s = topk(2, block=16, score=c)")
     module = codegen.load_module("triton", nsa_dsl.compile(source).plan, for_device(None))
     batch, seq_len = (2, 65) if cu_seqlens is None else (1, int(cu_seqlens[-1]))
     offsets = layout.sequence_offsets(cu_seqlens, batch, seq_len)
     k, v = (rng.standard_normal((batch * seq_len, 3, head_dim)).astype(dtype) for _ in range(2))
+    spec = NsaSpec(compress_block=block, compress_stride=stride, select_count=2, select_block=16)
+    bounds = np.asarray(offsets)
+    pool, _ = dense_operators(spec, 1, batch * seq_len, bounds)  # [C, N]: row c averages compressed key c's tokens
+    live = pool.shape[0]
 
-    def pooled(pool, k, v):
-        return tuple(pool(k, v)[:2])
+    def reference(x):  # [N, HKV, D] -> [live, HKV, D]: compressed_kv pools k and v alike
+        x = np.asarray(x, np.float64)
+        return np.concatenate([np.stack([compressed_kv(x[start:end, h], x[start:end, h], spec)[0]
+                                         for h in range(x.shape[1])], axis=1)
+                               for start, end in zip(bounds[:-1], bounds[1:])])
 
-    ours = jax.jit(lambda k, v: pooled(lambda k, v: module.pool_mean(k, v, offsets, block, stride, k.dtype), k, v))
-    theirs = jax.jit(lambda k, v: pooled(
-        lambda k, v: layout.pool_compressed(k, v, offsets, block, stride, None, k.dtype), k, v))
-    (got, got_vjp), (want, want_vjp) = (jax.vjp(pool, k, v) for pool in (ours, theirs))
-    live = int(layout.compressed_offsets(offsets, block, stride)[-1])
+    pooled = jax.jit(lambda k, v: tuple(module.pool_mean(k, v, offsets, block, stride, k.dtype)[:2]))
+    got, pullback = jax.vjp(pooled, k, v)
     tolerance = 1e-6 if dtype == np.float32 else 1e-3
-    for got_rows, want_rows in zip(got, want):
-        assert got_rows.shape == want_rows.shape and got_rows.dtype == want_rows.dtype
-        np.testing.assert_allclose(np.asarray(got_rows, np.float64), np.asarray(want_rows, np.float64),
-                                   rtol=tolerance, atol=tolerance)
-        assert live < got_rows.shape[0] and not np.asarray(got_rows[live:]).any()
-    cotangents = tuple(rng.standard_normal(x.shape).astype(dtype) for x in want)
-    for got_d, want_d in zip(got_vjp(cotangents), want_vjp(cotangents)):
-        np.testing.assert_array_equal(np.asarray(got_d), np.asarray(want_d))
+    for got_rows, x in zip(got, (k, v)):
+        assert got_rows.dtype == dtype and live < got_rows.shape[0]
+        np.testing.assert_allclose(np.asarray(got_rows[:live], np.float64), reference(x), rtol=tolerance,
+                                   atol=tolerance)
+        assert not np.asarray(got_rows[live:]).any()
+    cotangents = tuple(rng.standard_normal(x.shape).astype(dtype) for x in got)
+    for got_d, d_pooled in zip(pullback(cotangents), cotangents):
+        want_d = np.einsum("cn,chd->nhd", pool, np.asarray(d_pooled[:live], np.float64))
+        assert got_d.dtype == dtype
+        np.testing.assert_allclose(np.asarray(got_d, np.float64), want_d, rtol=tolerance, atol=tolerance)
 
 
 @pytest.mark.skipif(triton_glue.on_gpu(), reason="numpy buffers: Triton's interpreter only")
