@@ -15,11 +15,13 @@ from .codegen import CacheWarning, UnsafeTemplateValue
 from .config import NativeSparseAttentionConfig
 from .errors import NsaError, NsaSemanticError, NsaSyntaxError
 from .kernel import Invocation, Kernel, NativeSparseAttention
+from .runtime.compressed_cache import CompressedCache
 from .runtime.platform import PlatformLimitError
 
 __all__ = [
     "AutotuneWarning",
     "CacheWarning",
+    "CompressedCache",
     "DECODE_COMPILER_OPTIONS",
     "Invocation",
     "Kernel",

@@ -432,14 +432,23 @@ def test_bad_compressed_caches_are_refused(rng):
     def call(compressed):
         return attention(q[:, 39:], k, v, query_offset=39, compressed=compressed, platform="xla")
 
+    def declared(arrays):
+        return nsa_dsl.CompressedCache(arrays, attention.plan)
+
+    window = nsa_dsl.compile("pattern w\nblock 16\ncausal\nbranch swa = window(24)\n")
     for compressed, message in (
-        ({}, r"compressed must be the cache SparseAttention.compress returns, \{branch: \(k_cmp, v_cmp\)\} for the "
-             r"compress branches \['cmp'\], got \[\]"),
-        ({"cmp": k_cmp}, r"compressed\['cmp'\] must be a pair \(k_cmp, v_cmp\)"),
-        ({"cmp": (k_cmp[:, :-1], v_cmp)}, r"compressed\['cmp'\] k_cmp must be float32 \(2, 11, 2, 16\) \(the cache of "
-                                          r"keys \[batch, seq_len, num_kv_heads, head_dim\] = \[2, 40, 2, 16\]\), got "
-                                          r"float32 \(2, 10, 2, 16\)"),
-        ({"cmp": (k_cmp, v_cmp.astype(jnp.bfloat16))}, r"v_cmp must be float32 .* got bfloat16"),
+        (dict(cache), r"compressed must be the CompressedCache SparseAttention.compress returns, got dict: a plain "
+                      r"mapping carries no record of how its rows were pooled; declare arrays that pattern 'nsa' pooled "
+                      r"with nsa_dsl.CompressedCache\(arrays, attention.plan\)"),
+        (cache["cmp"], r"compressed must be the CompressedCache SparseAttention.compress returns, got tuple$"),
+        (nsa_dsl.CompressedCache({}, window.plan),
+         r"compressed must be the cache SparseAttention.compress returns, \{branch: \(k_cmp, v_cmp\)\} for the "
+         r"compress branches \['cmp'\], got \[\]"),
+        (declared({"cmp": k_cmp}), r"compressed\['cmp'\] must be a pair \(k_cmp, v_cmp\)"),
+        (declared({"cmp": (k_cmp[:, :-1], v_cmp)}),
+         r"compressed\['cmp'\] k_cmp must be float32 \(2, 11, 2, 16\) \(the cache of keys \[batch, seq_len, "
+         r"num_kv_heads, head_dim\] = \[2, 40, 2, 16\]\), got float32 \(2, 10, 2, 16\)"),
+        (declared({"cmp": (k_cmp, v_cmp.astype(jnp.bfloat16))}), r"v_cmp must be float32 .* got bfloat16"),
     ):
         with pytest.raises(ValueError, match=message):
             call(compressed)
@@ -457,13 +466,16 @@ def test_bad_compressed_caches_are_refused(rng):
          r"new_rows: first must be between 0 and seq_len - count = 37, got \[3, 38\]"),
         ({"cache": cache, "new_rows": (np.zeros(3, np.int32), 1)},
          r"new_rows: first: one row per batch row must have shape \(2,\), got \(3,\)"),
-        ({"cache": {"cmp": cache["cmp"][0]}, "new_rows": (0, 1)}, r"compressed\['cmp'\] must be a pair"),
+        ({"cache": declared({"cmp": cache["cmp"][0]}), "new_rows": (0, 1)}, r"compressed\['cmp'\] must be a pair"),
+        ({"cache": dict(cache), "new_rows": (0, 1)}, "a plain mapping carries no record of how its rows were pooled"),
     ):
         with pytest.raises(ValueError, match=message):
             attention.compress(k, v, **options)
     with pytest.raises(ValueError, match="value must have key's shape"):
         attention.compress(k, v[:, :-1])
-    window = nsa_dsl.compile("pattern w\nblock 16\ncausal\nbranch swa = window(24)\n")
+    with pytest.raises(ValueError, match=r"CompressedCache: pattern 'nsa' has compress branches \['cmp'\], got arrays "
+                                         r"of \['swa'\]"):
+        nsa_dsl.CompressedCache({"swa": cache["cmp"]}, attention.plan)
     with pytest.raises(ValueError, match="pattern 'w' has no compress branch"):
         window.compress(k, v)
 

@@ -189,8 +189,7 @@ def _compressed(plan: p.Plan, compressed, shapes: validate.Shapes, cu, dtype) ->
     if compressed is None:
         return {}
     num_seqs = 1 if cu is None else cu.shape[0] - 1
-    return {"compressed": validate.compressed_cache(compressed, compressed_cache.strides(plan), shapes, num_seqs,
-                                                    dtype)}
+    return {"compressed": compressed_cache.validated_arrays(plan, compressed, shapes, num_seqs, dtype)}
 
 
 def grouped_topk(plan: p.Plan) -> str | None:

@@ -162,15 +162,15 @@ def pool_fns(given: Mapping[str, object] | None, learned: list[str], pattern: st
     return functions
 
 
-def compressed_cache(value: object, strides: Mapping[str, int], shapes: Shapes, num_seqs: int, dtype):
-    """A compressed cache (nsa_dsl.runtime.compressed_cache) of keys of `shapes` and `dtype`
-    packing num_seqs sequences a batch row: {compress branch: (k_cmp, v_cmp)} for every branch
-    in `strides`, each [batch, seq_len // stride + num_seqs, num_kv_heads, head_dim] in `dtype`."""
-    if not isinstance(value, Mapping) or sorted(value) != sorted(strides):
-        got = sorted(value) if isinstance(value, Mapping) else type(value).__name__
+def compressed_cache(value: Mapping, strides: Mapping[str, int], shapes: Shapes, num_seqs: int, dtype):
+    """The arrays of a compressed cache (nsa_dsl.runtime.compressed_cache, whose validated_arrays
+    checks how they were pooled) of keys of `shapes` and `dtype` packing num_seqs sequences a
+    batch row: {compress branch: (k_cmp, v_cmp)} for every branch in `strides`, each
+    [batch, seq_len // stride + num_seqs, num_kv_heads, head_dim] in `dtype`."""
+    if sorted(value) != sorted(strides):
         raise ValueError(
             f"compressed must be the cache SparseAttention.compress returns, {{branch: (k_cmp, v_cmp)}} for the "
-            f"compress branches {sorted(strides)}, got {got}"
+            f"compress branches {sorted(strides)}, got {sorted(value)}"
         )
     out = {}
     for name, stride in strides.items():
