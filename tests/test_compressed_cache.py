@@ -6,7 +6,8 @@ the compressed cache by new_rows, and attend the new query, against the float64 
 the paper's equations on the whole sequence (selections by the reference's scores of the chosen
 blocks, outputs for those selections), on every backend (XLA natively, Triton and Pallas in
 their interpreters); the incrementally kept cache against one built at once;
-gradients through a cache built inside the differentiated function; learned pooling; bad input.
+gradients through a cache built inside the differentiated function; learned pooling; bad input;
+another pattern's cache refused by its record of how it pooled, which JAX's transformations keep.
 """
 
 from __future__ import annotations
@@ -437,17 +438,17 @@ def test_bad_compressed_caches_are_refused(rng):
 
     window = nsa_dsl.compile("pattern w\nblock 16\ncausal\nbranch swa = window(24)\n")
     for compressed, message in (
-        (dict(cache), r"compressed must be the CompressedCache SparseAttention.compress returns, got dict: a plain "
-                      r"mapping carries no record of how its rows were pooled; declare arrays that pattern 'nsa' pooled "
-                      r"with nsa_dsl.CompressedCache\(arrays, attention.plan\)"),
+        (dict(cache), (r"compressed must be the CompressedCache SparseAttention.compress returns, got dict: a plain "
+                       r"mapping carries no record of how its rows were pooled; declare arrays that pattern 'nsa' "
+                       r"pooled with nsa_dsl.CompressedCache\(arrays, attention.plan\)")),
         (cache["cmp"], r"compressed must be the CompressedCache SparseAttention.compress returns, got tuple$"),
         (nsa_dsl.CompressedCache({}, window.plan),
-         r"compressed must be the cache SparseAttention.compress returns, \{branch: \(k_cmp, v_cmp\)\} for the "
-         r"compress branches \['cmp'\], got \[\]"),
+         (r"compressed must be the cache SparseAttention.compress returns, \{branch: \(k_cmp, v_cmp\)\} for the "
+          r"compress branches \['cmp'\], got \[\]")),
         (declared({"cmp": k_cmp}), r"compressed\['cmp'\] must be a pair \(k_cmp, v_cmp\)"),
         (declared({"cmp": (k_cmp[:, :-1], v_cmp)}),
-         r"compressed\['cmp'\] k_cmp must be float32 \(2, 11, 2, 16\) \(the cache of keys \[batch, seq_len, "
-         r"num_kv_heads, head_dim\] = \[2, 40, 2, 16\]\), got float32 \(2, 10, 2, 16\)"),
+         (r"compressed\['cmp'\] k_cmp must be float32 \(2, 11, 2, 16\) \(the cache of keys \[batch, seq_len, "
+          r"num_kv_heads, head_dim\] = \[2, 40, 2, 16\]\), got float32 \(2, 10, 2, 16\)")),
         (declared({"cmp": (k_cmp, v_cmp.astype(jnp.bfloat16))}), r"v_cmp must be float32 .* got bfloat16"),
     ):
         with pytest.raises(ValueError, match=message):
@@ -478,6 +479,87 @@ def test_bad_compressed_caches_are_refused(rng):
         nsa_dsl.CompressedCache({"swa": cache["cmp"]}, attention.plan)
     with pytest.raises(ValueError, match="pattern 'w' has no compress branch"):
         window.compress(k, v)
+
+
+def test_a_cache_of_another_patterns_branch_is_refused(rng):
+    """Patterns whose branch 'cmp' has the same stride but another block, or another pooling,
+    give compressed keys of the same shapes and other numbers: a call or an update given the
+    other pattern's cache is refused, naming the branch and what differs. A pattern whose
+    compress branches pool alike (another window) takes the cache."""
+    source, _ = small_example("nsa")
+    attention = nsa_dsl.compile(source)
+    wider = nsa_dsl.compile(source.replace("compress(block=8, stride=4)", "compress(block=16, stride=4)"))
+    learned = nsa_dsl.compile(source.replace("compress(block=8, stride=4)", "compress(block=8, stride=4, pool=learned)"))
+    pool_fns = {"cmp": lambda kb, vb: (kb.max(axis=1), vb.max(axis=1))}
+    q, k, v = qkv(rng, 2, 40, 4, 2, 16)
+    gates = {f"g_{name}": gate(rng, 2, 1, 4) for name in NAMES}
+    cache = attention.compress(k, v)
+    for other, cache_of_other in ((wider, wider.compress(k, v)), (learned, learned.compress(k, v, pool_fns=pool_fns))):
+        for part, same in zip(cache["cmp"], cache_of_other["cmp"]):
+            assert part.shape == same.shape and part.dtype == same.dtype, "shapes cannot tell the caches apart"
+            assert not np.allclose(np.asarray(part), np.asarray(same)), "the other pattern's cache holds other numbers"
+
+    def call(attention, compressed=None):
+        return attention(q[:, 39:], k, v, query_offset=39, compressed=compressed, platform="xla", **gates)
+
+    block = (r"compressed\['cmp'\] was pooled by compress\(block=8, stride=4, pool=mean\), not as pattern 'nsa''s "
+             r"branch 'cmp' pools \(compress\(block=16, stride=4, pool=mean\)\): block 8 instead of 16; a compressed "
+             r"cache is for the pattern that made it")
+    pool = (r"compressed\['cmp'\] was pooled by compress\(block=8, stride=4, pool=mean\), not as pattern 'nsa''s "
+            r"branch 'cmp' pools \(compress\(block=8, stride=4, pool=learned\)\): pool mean instead of learned")
+    for refused, message in (
+        (lambda: call(wider, cache), block),
+        (lambda: wider.selections(q[:, 39:], k, v, query_offset=39, compressed=cache, platform="xla"), block),
+        (lambda: wider.compress(k, v, cache=cache, new_rows=(39, 1)), block),
+        (lambda: call(learned, cache), pool),
+        (lambda: learned.compress(k, v, pool_fns=pool_fns, cache=cache, new_rows=(39, 1)), pool),
+        (lambda: call(attention, wider.compress(k, v)), "block 16 instead of 8"),
+        (lambda: call(attention, learned.compress(k, v, pool_fns=pool_fns)), "pool learned instead of mean"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            refused()
+    shorter_window = nsa_dsl.compile(source.replace("window(24)", "window(8)"))
+    np.testing.assert_allclose(np.asarray(call(shorter_window, cache)), np.asarray(call(shorter_window)),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_the_cache_and_its_record_pass_through_jax_transformations(rng):
+    """A CompressedCache is a pytree of its arrays with the record as static data: jit arguments
+    and results, jax.tree.map, device_put, eval_shape, a scan's carry and shard_map give back a
+    CompressedCache with the same record (a wrong pattern's call is still refused), keyed by
+    branch name, indexable as {branch: (k_cmp, v_cmp)}."""
+    source, _ = small_example("nsa")
+    attention = nsa_dsl.compile(source)
+    wider = nsa_dsl.compile(source.replace("compress(block=8, stride=4)", "compress(block=16, stride=4)"))
+    q, k, v = qkv(rng, 2, 40, 4, 2, 16)
+    gates = {f"g_{name}": gate(rng, 2, 1, 4) for name in NAMES}
+    cache = attention.compress(k, v)
+    record = {"cmp": compressed_cache.Pooling(block=8, stride=4, pool="mean")}
+    assert dict(cache.pooling) == record
+    mesh = jax.make_mesh((1,), ("batch",), axis_types=(jax.sharding.AxisType.Auto,))
+    sharded = jax.jit(jax.shard_map(lambda c: jax.tree.map(lambda x: 2 * x, c), mesh=mesh,
+                                    in_specs=jax.sharding.PartitionSpec("batch"),
+                                    out_specs=jax.sharding.PartitionSpec("batch")))
+    transformed = {
+        "jit": jax.jit(lambda c: c)(cache),
+        "jit, updated inside": jax.jit(lambda k, v, c: attention.compress(k, v, cache=c, new_rows=(5, 3)))(k, v, cache),
+        "tree.map": jax.tree.map(lambda x: x + 1, cache),
+        "device_put": jax.device_put(cache),
+        "eval_shape": jax.eval_shape(attention.compress, k, v),
+        "scan": jax.lax.scan(lambda c, _: (jax.tree.map(jnp.negative, c), None), cache, length=2)[0],
+        "shard_map": sharded(cache),
+    }
+    for how, result in transformed.items():
+        assert isinstance(result, nsa_dsl.CompressedCache), how
+        assert dict(result.pooling) == record, how
+        assert [x.shape for x in result["cmp"]] == [x.shape for x in cache["cmp"]], how
+    np.testing.assert_array_equal(np.asarray(transformed["shard_map"]["cmp"][1]), 2 * np.asarray(cache["cmp"][1]))
+    paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(cache)[0]]
+    assert paths == ["['cmp'][0]", "['cmp'][1]"]
+    with pytest.raises(ValueError, match="block 8 instead of 16"):
+        wider(q[:, 39:], k, v, query_offset=39, compressed=transformed["jit"], platform="xla", **gates)
+    with pytest.raises(ValueError, match="block 8 instead of 16"):  # inside jit: the record is static
+        jax.jit(lambda c: wider(q[:, 39:], k, v, query_offset=39, compressed=c, platform="xla", **gates))(cache)
 
 
 def test_the_decoding_example_matches_one_call_over_the_whole_sequence():
