@@ -113,7 +113,8 @@ class SparseAttention:
         """The compressed keys and values of this pattern's compress branches for key/value
         [B, T, HKV, D], kept beside a key/value cache for decoding: pass them to calls as
         `compressed=` and the compress branches read them instead of pooling all T keys again
-        ({branch name: (k_cmp, v_cmp)}, [B, T // stride + 1 (or + N with cu_seqlens), HKV, D] in the keys' dtype;
+        (a CompressedCache: {branch name: (k_cmp, v_cmp)}, [B, T // stride + 1 (or + N with cu_seqlens), HKV, D] in
+        the keys' dtype, recording how each branch pooled, so that calls of another pattern refuse it;
         a call computes what it would without them, up to the rounding of the float32 pooling).
 
         After writing key rows [first, first + count) of the cache, `compress(key, value,
