@@ -16,6 +16,7 @@ from .config import NativeSparseAttentionConfig
 from .errors import NsaError, NsaSemanticError, NsaSyntaxError
 from .kernel import Invocation, Kernel, NativeSparseAttention
 from .runtime.compressed_cache import CompressedCache
+from .runtime.derivatives import SecondDerivativeError
 from .runtime.platform import PlatformLimitError
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "NsaSemanticError",
     "NsaSyntaxError",
     "PlatformLimitError",
+    "SecondDerivativeError",
     "SparseAttention",
     "UnsafeTemplateValue",
     "__version__",
