@@ -5,6 +5,8 @@ plan mixing static and explicit-selection branches, and refusal of plans it cann
 from __future__ import annotations
 
 import itertools
+import re
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -12,6 +14,7 @@ import pytest
 
 import reference
 from conftest import FORWARD_TOLERANCE, GRADIENT_TOLERANCE, assert_close, gate, mask_value, normal, qkv
+import nsa_dsl
 from nsa_dsl import __version__, codegen, dsl
 from nsa_dsl.api import selection_plan
 from nsa_dsl.dsl import model
@@ -122,7 +125,7 @@ def test_schedule_bounds_the_working_set():
     budget = codegen.load_module("xla", selection_plan(64)).CHUNK_BYTES  # the generated default
     for items, rows, heads_q, heads_kv in itertools.product((1, 4096, 65536), (1, 64), (1, 32), (1, 2)):
         sched = xla_engine.schedule(None, items=items, rows=rows, heads_q=heads_q, heads_kv=heads_kv, head_dim=64,
-                                    steps=16, block=64, chunk_bytes=budget)
+                                    steps=16, block=64, chunk_bytes=budget, dtype="float32")
         assert 1 <= sched.chunk <= items and sched.steps == 16
         gathered = 4 * 2 * heads_kv * 64 * 64  # one key and value block per item, float32
         scores = 4 * heads_q * rows * 64
@@ -146,3 +149,24 @@ def test_a_shards_query_tiles_are_the_least_divisor_of_the_block_holding_its_row
     the pattern's block that holds them (the whole block once they fill it), found in time even
     for a block of 2**30 rows."""
     assert xla_engine.Frame(0, q_len, 2 * max(q_len, block), 1, block).rows == rows
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_float32_inputs_get_float32_products(rng, dtype):
+    """XLA multiplies float32 in tf32 on NVIDIA GPUs by default (the H100 ran the XLA platform's
+    float32 calls at ~4e-4 relative error, session 59) and in one bfloat16 pass on TPUs; this CPU
+    multiplies in float32 whatever the precision, so the products' precision is read from the
+    program: every product of a forward and backward of examples/nsa.nsa (compression, top-k
+    scores, selection, window) asks for HIGHEST with float32 inputs, the default with 16-bit ones."""
+    attention = nsa_dsl.compile(Path("examples/nsa.nsa").read_text())
+    q, k, v = (x.astype(dtype) for x in qkv(rng, 1, 130, 4, 2, 16))
+    gates = {name: gate(rng, 1, 130, 4).astype(dtype) for name in ("g_cmp", "g_slc", "g_swa")}
+
+    def loss(q, k, v):
+        return (attention(q, k, v, platform="xla", **gates).astype("float32") ** 2).sum()
+
+    program = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v))
+    products = program.split("dot_general[")[1:]
+    precisions = {re.search(r"precision=\(Precision\.(\w+)", p[: p.index("preferred_element_type")]).group(1)
+                  for p in products}
+    assert len(products) >= 10 and precisions == {"HIGHEST" if dtype == "float32" else "DEFAULT"}

@@ -52,6 +52,15 @@ class Schedule(NamedTuple):
     block: int  # rows per key block
     steps: int  # key blocks per work item at most, one per step
     chunk: int  # work items per chunk (C)
+    precision: lax.Precision  # of every product (matmul_precision)
+
+
+def matmul_precision(dtype) -> lax.Precision:
+    """The products' precision for inputs of `dtype`. XLA's default multiplies float32 in tf32 on
+    NVIDIA GPUs and in one bfloat16 pass on TPUs (~5e-4 and ~4e-3 relative): float32 inputs get
+    float32 products, as every other backend computes them (Triton's kernels multiply them in
+    "ieee"); 16-bit inputs lose nothing to the default, which is faster."""
+    return lax.Precision.HIGHEST if jnp.dtype(dtype).itemsize >= 4 else lax.Precision.DEFAULT
 
 
 # A work dict may hold STEPS, [items] int: how many of the `steps` key blocks each item reads
@@ -61,10 +70,10 @@ class Schedule(NamedTuple):
 STEPS = "steps"
 
 
-def schedule(keys_for, *, items, rows, heads_q, heads_kv, head_dim, steps, block, chunk_bytes):
+def schedule(keys_for, *, items, rows, heads_q, heads_kv, head_dim, steps, block, chunk_bytes, dtype):
     """The chunk size for `items` work items of `rows` query rows, each reading `steps` key blocks,
     that keeps a chunk's float32 working set (gathered keys and values, scores, probabilities)
-    near `chunk_bytes`."""
+    near `chunk_bytes`, and the products' precision for keys of `dtype`."""
     per_item = 4 * (
         2 * heads_kv * block * head_dim  # gathered keys and values
         + 4 * heads_q * rows * block  # scores, probabilities and their gradients
@@ -72,7 +81,7 @@ def schedule(keys_for, *, items, rows, heads_q, heads_kv, head_dim, steps, block
     )
     chunk = max(1, min(items, chunk_bytes // per_item))
     chunk = -(-items // -(-items // chunk))  # the same number of chunks, evenly filled
-    return Schedule(keys_for, block, max(steps, 1), chunk)
+    return Schedule(keys_for, block, max(steps, 1), chunk, matmul_precision(dtype))
 
 
 def frame(offset, q_len: int, k_len: int, batch: int, block: int) -> Frame:
@@ -289,13 +298,13 @@ def _chunk_forward(sched, q, keys_t, values, work):
         starts, visible = sched.keys_for(work, index)
         k_t = gather_columns(keys_t, starts, sched.block)
         v = gather_rows(values, starts, sched.block)
-        scores = jnp.where(visible, jnp.einsum("chrgd,chdk->chrgk", q, k_t), -jnp.inf)
+        scores = jnp.where(visible, jnp.einsum("chrgd,chdk->chrgk", q, k_t, precision=sched.precision), -jnp.inf)
         new_max = jnp.maximum(running_max, scores.max(axis=-1))
         shift = jnp.where(new_max > -jnp.inf, new_max, 0.0)  # rows that have seen no key yet
         p = jnp.exp(scores - shift[..., None])
         rescale = jnp.exp(running_max - shift)
         total = total * rescale + p.sum(axis=-1)
-        acc = acc * rescale[..., None] + jnp.einsum("chrgk,chkd->chrgd", p, v)
+        acc = acc * rescale[..., None] + jnp.einsum("chrgk,chkd->chrgd", p, v, precision=sched.precision)
         return new_max, total, acc
 
     inputs = (q, keys_t, values, work)
@@ -318,12 +327,13 @@ def _chunk_backward(sched, q, d_out, lse, delta, keys, keys_t, values_t, work, g
         starts, visible = sched.keys_for(work, index)
         k_t = gather_columns(keys_t, starts, sched.block)
         v_t = gather_columns(values_t, starts, sched.block)
-        p = jnp.where(visible, jnp.exp(jnp.einsum("chrgd,chdk->chrgk", q, k_t) - lse[..., None]), 0.0)
-        ds = p * (jnp.einsum("chrgd,chdk->chrgk", d_out, v_t) - delta[..., None])
-        dq = dq + jnp.einsum("chrgk,chkd->chrgd", ds, gather_rows(keys, starts, sched.block))
+        scores = jnp.einsum("chrgd,chdk->chrgk", q, k_t, precision=sched.precision)
+        p = jnp.where(visible, jnp.exp(scores - lse[..., None]), 0.0)
+        ds = p * (jnp.einsum("chrgd,chdk->chrgk", d_out, v_t, precision=sched.precision) - delta[..., None])
+        dq = dq + jnp.einsum("chrgk,chkd->chrgd", ds, gather_rows(keys, starts, sched.block), precision=sched.precision)
         p, ds = (x.reshape(items, heads_kv, rows * group, sched.block) for x in (p, ds))
-        dk_t = scatter_add_columns(dk_t, starts, jnp.einsum("chdn,chnk->chdk", q_t, ds))
-        dv_t = scatter_add_columns(dv_t, starts, jnp.einsum("chdn,chnk->chdk", d_out_t, p))
+        dk_t = scatter_add_columns(dk_t, starts, jnp.einsum("chdn,chnk->chdk", q_t, ds, precision=sched.precision))
+        dv_t = scatter_add_columns(dv_t, starts, jnp.einsum("chdn,chnk->chdk", d_out_t, p, precision=sched.precision))
         return dq, (dk_t, dv_t)
 
     dq = _filled((q, d_out, lse, delta, keys_t, values_t, work), q.shape, 0.0)
@@ -460,25 +470,27 @@ def compression(queries, pooled, cu_seqlens, frame, cmp_block, cmp_stride, chunk
     sched = schedule(
         functools.partial(compressed_key_blocks, block, cmp_block, cmp_stride),
         items=tiles["start"].shape[0], rows=frame.rows, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim,
-        steps=-(-most // block), block=block, chunk_bytes=chunk_bytes,
+        steps=-(-most // block), block=block, chunk_bytes=chunk_bytes, dtype=k_cmp.dtype,
     )
     out = gathered_attention(sched, tile_rows(queries, tiles, frame, heads_kv), k_cmp, v_cmp, tiles)
     return untile(out, cu_seqlens, placement, frame).reshape(num_queries, heads_q, head_dim)
 
 
-def selection_scores(q, k_cmp, count, q_pos, length, cmp_block, cmp_stride, sel_block, num_sel):
+def selection_scores(q, k_cmp, count, q_pos, length, cmp_block, cmp_stride, sel_block, num_sel, precision):
     """Importance of every selection block for a chunk of query rows.
 
     q [C, HKV, R, G, D] (scaled), k_cmp [C, HKV, M, D] the rows' compressed keys, count [C] how
     many exist, q_pos [C, R] the rows' positions in sequences of `length` [C] ->
-    [C, HKV, R, num_sel] summed over the group's heads; rows past the sequence score 0."""
+    [C, HKV, R, num_sel] summed over the group's heads; rows past the sequence score 0. `precision`:
+    the product's (matmul_precision)."""
     index = jnp.arange(k_cmp.shape[2])
     visible = (
         (index[None, None, :] < count[:, None, None])
         & (index[None, None, :] * cmp_stride + cmp_block - 1 <= q_pos[:, :, None])
         & (q_pos < length[:, None])[:, :, None]
     )  # [C, R, M]
-    scores = jnp.where(visible[:, None, :, None, :], jnp.einsum("chrgd,chmd->chrgm", q, k_cmp), -jnp.inf)
+    products = jnp.einsum("chrgd,chmd->chrgm", q, k_cmp, precision=precision)
+    scores = jnp.where(visible[:, None, :, None, :], products, -jnp.inf)
     top = jnp.max(scores, axis=-1, keepdims=True)
     p = jnp.exp(scores - jnp.where(top > -jnp.inf, top, 0.0))
     p = p / jnp.maximum(p.sum(axis=-1, keepdims=True), 1e-30)
@@ -515,6 +527,7 @@ def topk_selection(
     rows = frame.rows
     k_cmp, _, cmp_offsets = pooled
     heads_kv = k_cmp.shape[1]
+    precision = matmul_precision(k_cmp.dtype)
     tiles, placement = query_tiles(cu_seqlens, frame)
     most = max((frame.k_len - cmp_block) // cmp_stride + 1, 1)
     count, sel_block = layout.fitted_selection(count, sel_block, cmp_stride, frame.k_len)
@@ -528,7 +541,8 @@ def topk_selection(
         q, q_pos, length, cmp_first, cmp_count = tile
         k = lax.dynamic_slice_in_dim(k_cmp, cmp_first, most, axis=1)
         scores = selection_scores(
-            q[None], k[None], cmp_count[None], q_pos[None], length[None], cmp_block, cmp_stride, sel_block, num_sel
+            q[None], k[None], cmp_count[None], q_pos[None], length[None], cmp_block, cmp_stride, sel_block, num_sel,
+            precision,
         )[0]
         # One selection per `query_block` consecutive queries: their scores add up, and the
         # group's last query (within the sequence) decides which blocks are causally valid.
