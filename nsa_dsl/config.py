@@ -20,8 +20,9 @@ class NativeSparseAttentionConfig:
 
     - `block_k`: keys per step of Triton's per-token loops (several selected blocks at once)
       and of its static-pattern kernels; `block_q`: query tile rows of Triton's static-pattern
-      kernels and of Pallas' query-tile kernels; both powers of two. `block_d`: the head-dimension tile; the kernels keep the whole head
-      dimension in one tile, so it must be None or at least the head dimension.
+      kernels and of Pallas' query-tile kernels; both powers of two. `block_d`: ejkernel's head-dimension tile, accepted so that its
+      configurations run unchanged; no kernel here reads it (each keeps the whole head dimension
+      in one tile).
     - `num_warps` (a power of two) and `num_stages`: Triton's launch settings, also used by
       Pallas' Triton lowering.
     - `chunk_bytes`: working set of one chunk of the XLA engine (16 MiB by default).

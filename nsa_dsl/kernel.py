@@ -446,9 +446,6 @@ class NativeSparseAttention(Kernel[NativeSparseAttentionConfig, jax.Array]):
         "xla", "triton", "pallas") takes precedence over cfg.platform."""
         plan = nsa_plan(cfg.block_size, g_cmp, block_indices, block_counts)
         platform = choose_platform(plan, platform, cfg)
-        query_shape = _shape(query)
-        if query_shape:  # a query without dimensions (None, a number) is refused by name with the other inputs
-            self.check_cfg(cfg, query_shape[-1])
         impl = self.get_impl(dataclasses.replace(cfg, platform=platform))
         if g_cmp is not None:
             if block_indices is not None:
@@ -457,13 +454,6 @@ class NativeSparseAttention(Kernel[NativeSparseAttentionConfig, jax.Array]):
                         softmax_scale=softmax_scale, config=cfg)
         return impl(plan, query, key, value, gates={"g_slc": g_slc}, cu_seqlens=cu_seqlens, softmax_scale=softmax_scale,
                     block_indices=block_indices, block_counts=block_counts, config=cfg)
-
-    @staticmethod
-    def check_cfg(cfg: NativeSparseAttentionConfig, head_dim: int) -> None:
-        """ValueError for tiles the kernels cannot take (what the config cannot check alone)."""
-        if cfg.block_d is not None and cfg.block_d < head_dim:
-            raise ValueError(f"cfg.block_d={cfg.block_d} is smaller than the head dimension {head_dim}: the kernels keep "
-                             f"the whole head dimension in one tile; use block_d=None or >= {head_dim}")
 
     # -- what an invocation runs ----------------------------------------------------------------
 
