@@ -116,7 +116,7 @@ class CompressedCache(Mapping):
 
     @classmethod
     def _unflatten(cls, record, pairs) -> CompressedCache:
-        # Leaves may be anything here (jax.tree.map's results, jax's placeholders): no checks.
+        # Leaves may be anything here (jax.tree.map's results, the objects jax stands in while tracing): no checks.
         cache = cls.__new__(cls)
         cache._set(record, pairs)
         return cache
