@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import AS_USERS_COMPILE, FORWARD_TOLERANCE, assert_close, gate, qkv
-from nsa_reference import chosen_scores, nsa_gradients, nsa_reference, small_example
+from nsa_reference import chosen_scores, compressed_kv, nsa_gradients, nsa_reference, small_example
 
 import nsa_dsl
 from nsa_dsl import codegen
@@ -366,6 +366,54 @@ def test_updating_a_compressed_cache_by_chunks_equals_building_it(rng):
             for kept, built in zip(cache[name], written[name]):
                 np.testing.assert_allclose(np.asarray(kept), np.asarray(built), rtol=1e-6, atol=1e-6,
                                            err_msg=f"after rows {rows}")
+
+
+def reference_cache(k, v, spec, cu_seqlens, rows):
+    """The float64 compressed cache of keys/values [B, T, HKV, D] (nsa_reference.compressed_kv):
+    each batch row's sequences' compressed keys one after another, zeros after them, `rows` rows."""
+    batch, seq_len, heads_kv, head_dim = k.shape
+    bounds = [0, seq_len] if cu_seqlens is None else [int(x) for x in cu_seqlens]
+    cache = np.zeros((2, batch, rows, heads_kv, head_dim))
+    for b in range(batch):
+        row = 0
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            for h in range(heads_kv):
+                k_cmp, v_cmp = compressed_kv(np.asarray(k[b, start:end, h], np.float64),
+                                             np.asarray(v[b, start:end, h], np.float64), spec)
+                cache[0, b, row:row + len(k_cmp), h], cache[1, b, row:row + len(k_cmp), h] = k_cmp, v_cmp
+            row += len(k_cmp)
+    return cache
+
+
+@pytest.mark.parametrize("batch, seq_len, cu_seqlens, chunks", [
+    # a chunk of 2 rows from row 7 changes 3 compressed keys (7..8 lie in keys 0, 1 and 2)
+    (2, 61, None, (7, 2, 6, 3, 10, 1, 5, 14, 13)),
+    # a last chunk of rows 48..54, past the last sequence (52): its first changed row lies
+    # fewer than the rows it recomputes before the cache's end
+    (1, 55, (0, 13, 21, 52), (7, 2, 6, 3, 10, 1, 5, 14, 7)),
+])
+def test_prefill_chunks_of_every_size_and_alignment_update_the_paper_reference(rng, batch, seq_len, cu_seqlens, chunks):
+    """Prefill chunks (new_rows of 1 to 14 rows, from rows at every offset to the stride) written
+    into a cache of stale rows: after each update the compressed cache is the float64 reference's
+    pooling of the rows the cache holds (compress(block=8, stride=4))."""
+    source, spec = small_example("nsa")
+    attention = nsa_dsl.compile(source)
+    _, k, v = qkv(rng, batch, seq_len, 2, 2, 8)
+    cu = None if cu_seqlens is None else np.asarray(cu_seqlens, np.int32)
+    k_cache, v_cache = (rng.standard_normal(k.shape).astype(np.float32) for _ in range(2))
+    cache = attention.compress(k_cache, v_cache, cu_seqlens=cu)
+    update = jax.jit(lambda kc, vc, cache, first, count: attention.compress(
+        kc, vc, cu_seqlens=cu, cache=cache, new_rows=(first, count)), static_argnums=4)
+    first = 0
+    for count in chunks:
+        k_cache[:, first:first + count], v_cache[:, first:first + count] = k[:, first:first + count], v[:, first:first + count]
+        cache = update(k_cache, v_cache, cache, jnp.int32(first), count)
+        wanted = reference_cache(k_cache, v_cache, spec, cu_seqlens, cache["cmp"][0].shape[1])
+        for part, kept, want in zip("kv", cache["cmp"], wanted):
+            np.testing.assert_allclose(np.asarray(kept), want, rtol=1e-5, atol=1e-6,
+                                       err_msg=f"{part}_cmp after rows [{first}, {first + count})")
+        first += count
+    assert first == seq_len
 
 
 def test_building_a_cache_window_by_window_equals_building_it_at_once(rng, monkeypatch):
