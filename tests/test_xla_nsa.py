@@ -12,7 +12,7 @@ import pytest
 import nsa_dsl
 from conftest import FORWARD_TOLERANCE, GRADIENT_TOLERANCE, assert_close, gate, normal, qkv
 from nsa_check import check_against_reference
-from nsa_reference import MEANPOOL, PAPER, NsaSpec, chosen_scores, nsa_gradients, nsa_reference
+from nsa_reference import MEANPOOL, PAPER, NsaSpec, chosen_scores, nsa_gradients, nsa_reference, small_example
 
 EXAMPLES = {"nsa": ("examples/nsa.nsa", PAPER), "nsa_meanpool": ("examples/nsa_meanpool.nsa", MEANPOOL)}
 
@@ -144,3 +144,31 @@ def test_learned_pooling_is_traced_into_the_kernel(rng):
     q, k, v = qkv(rng, 1, 70, 4, 2, 16)
     with pytest.raises(ValueError, match="pool_fns"):
         nsa_dsl.compile(text)(q, k, v, g_cmp=gate(rng, 1, 70, 4))
+
+
+def test_packed_sequences_of_exactly_one_compressed_block(rng):
+    """Packed sequences of exactly compress(block=8) rows (one compressed key, complete at their
+    last row), of one key more, shorter than a block, and a long one; rows past the last sequence."""
+    source, spec = small_example("nsa")
+    run_and_check(rng, source, spec, batch=1, seq_len=93, heads_q=4, heads_kv=2, head_dim=16,
+                  cu_seqlens=[0, 8, 20, 27, 83, 91])
+
+
+def test_a_selection_block_past_a_short_sequence_the_stride_does_not_divide(rng):
+    """topk(2, block=64) on sequences of 41 rows, scored from compressed keys of stride 4: the
+    block fitted to the keys (a multiple of the stride, 44) is every row's only block, holding
+    all of its keys, and its one selected block (a block of 40 would give rows from 40 on a
+    second one)."""
+    source = ("pattern p\nblock 16\nbranch cmp = compress(block=8, stride=4) gate g_cmp\n"
+              "branch slc = topk(2, block=64, score=cmp) gate g_slc\n")
+    spec = NsaSpec(compress_block=8, compress_stride=4, select_count=2, select_block=64)
+    run_and_check(rng, source, spec, batch=2, seq_len=41, heads_q=4, heads_kv=2, head_dim=16, gates=("cmp", "slc"))
+
+
+def test_groups_of_queries_wider_than_the_selection_block(rng):
+    """per block(32) with selection blocks of 16: a group's last query decides which blocks are
+    valid for all 32 of its queries (its first query's blocks are fewer), scored as one."""
+    source = ("pattern p\nblock 64\nbranch cmp = compress(block=8, stride=4) gate g_cmp\n"
+              "branch slc = topk(2, block=16, score=cmp) per block(32) gate g_slc\n")
+    spec = NsaSpec(compress_block=8, compress_stride=4, select_count=2, select_block=16, query_block=32)
+    run_and_check(rng, source, spec, batch=1, seq_len=77, heads_q=4, heads_kv=2, head_dim=16, gates=("cmp", "slc"))
