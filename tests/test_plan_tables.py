@@ -55,6 +55,10 @@ HAND_PICKED = [
     m.Intersection((m.Local(4), m.Stride(2))),
     m.Difference(m.Local(5), m.Window(17)),
     m.Difference(m.Union((m.Window(33, 9), m.Random(3, 1))), m.Stride(3, 2)),
+    # Block atoms classifying candidates another atom adds: the blocks just outside local(2),
+    # global(first=2) and local(1, 1), which the windows reach
+    m.Union((m.Local(2), m.Window(40))),
+    m.Difference(m.Window(50, 20), m.Union((m.Local(1, 1), m.Global(2)))),
 ]
 
 
