@@ -386,6 +386,23 @@ def test_query_offset_static_pattern_against_the_reference(rng):
 
 
 @in_worker
+def test_query_offset_mid_tile_in_every_batch_row_against_the_reference(rng):
+    """Three batch rows (no cu_seqlens) whose queries start mid-tile: each row's first query tile
+    is cut by the offset, so a row needs one tile more than its rows fill. The XLA module's tile
+    bound allowed one such tile in all, and the last batch row's output was wrong (session 59)."""
+    attention = nsa_dsl.compile(STATIC)
+    batch, seq_len, heads_q, heads_kv, head_dim = 3, 70, 4, 2, 12
+    q, k, v = qkv(rng, batch, seq_len, heads_q, heads_kv, head_dim)
+    g = gate(rng, batch, seq_len, heads_q)
+    masks = [reference.static_mask(attention.plan.branches[0].static, BLOCK, True, batch, seq_len)]
+    expected = reference.forward(q, k, v, masks, [g], 1 / np.sqrt(head_dim))
+    for offset, size in [(15, 18), (3, 61), (33, 1)]:
+        rows = slice(offset, offset + size)
+        out = attend(attention.plan, q[:, rows], k, v, gates={"g_swa": g[:, rows]}, query_offset=offset)
+        assert_close(out, expected[:, rows], FORWARD_TOLERANCE, f"rows {rows}")
+
+
+@in_worker
 def test_query_offset_explicit_selection_against_the_reference(rng):
     batch, seq_len, heads_q, heads_kv, head_dim = 2, 80, 6, 3, 16
     q, k, v = qkv(rng, batch, seq_len, heads_q, heads_kv, head_dim)

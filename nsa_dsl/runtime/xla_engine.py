@@ -184,8 +184,8 @@ def query_tiles(cu_seqlens, frame):
     first_slot = q_lo // rows
     counts = jnp.where(q_hi > q_lo, -(-q_hi // rows) - first_slot, 0)
     # >= sum over sequences of their tiles' count: ceil(rows / tile rows) each, and one more for
-    # the sequence that a shard boundary cuts off mid-tile.
-    num_tiles = (frame.batch * frame.q_len + num_seqs * (rows - 1)) // rows + (1 if frame.sharded else 0)
+    # each batch row's sequence that the shard's first query cuts off mid-tile.
+    num_tiles = (frame.batch * frame.q_len + num_seqs * (rows - 1)) // rows + (frame.batch if frame.sharded else 0)
     first_tile = jnp.concatenate([jnp.zeros(1, counts.dtype), jnp.cumsum(counts)])
     tile = jnp.arange(num_tiles)
     seq = jnp.minimum(layout.search_sorted(first_tile[1:], tile, side="right"), num_seqs - 1)
