@@ -1,7 +1,8 @@
-"""Which derivatives nsa_dsl computes beyond the first (every backend's tests check first-order
-reverse mode against the float64 reference): the Triton and Pallas kernels refuse to be
-differentiated again with one clear error (nsa_dsl.runtime.derivatives), and XLA's forward over
-reverse (jax.hessian) matches the float64 reference's."""
+"""JAX transformations of nsa_dsl's attention beyond jit and grad (every backend's tests check
+first-order reverse mode against the float64 reference): vmap over a leading axis and jax.checkpoint
+give what the plain calls give; the Triton and Pallas kernels refuse to be differentiated twice with
+one clear error (nsa_dsl.runtime.derivatives); XLA's forward over reverse (jax.hessian) matches the
+float64 reference's."""
 
 from __future__ import annotations
 
@@ -71,3 +72,26 @@ def test_xla_forward_over_reverse_matches_the_reference(rng):
 
         expected = np.asarray(jax.hessian(reference_loss)(q64[0, row, 0]))
     assert_close(np.asarray(hessian), expected, 1e-3, "hessian")
+
+
+@pytest.mark.parametrize("platform", ["xla", "triton", "pallas"])
+def test_vmap_and_checkpoint_give_what_the_plain_calls_give(rng, platform):
+    """An ensemble axis in front of the batch (vmap: stacked models, per-example losses), and
+    jax.checkpoint recomputing the forward in the backward: outputs and gradients equal those of
+    the calls one by one, which the backends' own tests check against the float64 reference."""
+    attention = nsa_dsl.compile(WINDOW)
+    q_stack = jnp.asarray(np.stack([qkv(rng, 1, 37, 4, 2, 12)[0] for _ in range(3)]))
+    _, k, v = (jnp.asarray(x) for x in qkv(rng, 1, 37, 4, 2, 12))
+    g = jnp.asarray(rng.uniform(size=(1, 37, 4)), jnp.float32)
+
+    def output(q):
+        return attention(q, k, v, platform=platform)
+
+    def loss(q):
+        return (output(q) * g[..., None]).sum() + (output(q) ** 2).sum()
+
+    one_by_one = [output(q) for q in q_stack]
+    grads = [jax.grad(loss)(q) for q in q_stack]
+    assert_close(jax.vmap(output)(q_stack), np.stack(one_by_one), 1e-6, "vmap")
+    assert_close(jax.vmap(jax.grad(loss))(q_stack), np.stack(grads), 1e-5, "vmap of grad")
+    assert_close(jax.grad(jax.checkpoint(loss))(q_stack[0]), grads[0], 1e-6, "checkpoint")
