@@ -187,6 +187,14 @@ def test_local_blocks_and_a_stride_progression(rng):
     check(rng, attention, *qkv(rng, 1, 90, 2, 1, 20))
 
 
+def test_causal_stride_progression_alone_masks_the_querys_own_block(rng):
+    """A causal stride progression with no sliding range beside it: the member block a query tile
+    starts in is seen only up to each query (masked), the members below it whole; a bound one
+    block off (blocks_shared) would walk the tile's own member unmasked. Odd length, GQA 3."""
+    for keys in ([S(3, 1)], [S(2)]):
+        check(rng, compiled(keys), *qkv(rng, 1, 53, 3, 1, 16))
+
+
 def test_bidirectional_union_of_every_range_kind_gqa16(rng):
     # keys a step (32) span two blocks of the progression; dk/dv key tiles shrink to one block
     attention = compiled([U(W(7, 9), L(1, 1), S(4, 1), G(1))], causal=False, tiles=(16, 32), heads=4)
