@@ -101,6 +101,22 @@ def test_out_of_range_and_repeated_entries_are_ignored(rng):
     assert_close(selection(q, k, v, None, indices, 12, 16), expected, FORWARD_TOLERANCE, "output")
 
 
+def test_int64_entries_past_int32_are_out_of_range_not_wrapped(rng):
+    """int64 block indices beyond int32's range are clamped (then out of range: ignored) in
+    int64, before narrowing: cast first, 2**32 + 1 would wrap to block 1 and be attended; counts
+    past int32 clamp to every entry."""
+    q, k, v = qkv(rng, 1, 53, 2, 1, 20)
+    big = np.array([2**32 + 1, 2**33 + 2, -(2**32) + 3, 2**32], dtype=np.int64)
+    indices = np.where(rng.random((1, 53, 1, 4)) < 0.5, big[rng.integers(0, 4, (1, 53, 1, 4))],
+                       rng.integers(0, 4, (1, 53, 1, 4))).astype(np.int64)
+    counts = rng.integers(0, 5, (1, 53, 1)).astype(np.int64)
+    counts[0, ::3] = 2**32 + 2  # wrapped: 2
+    mask = reference.selection_mask(indices, np.minimum(counts, 4), 16)
+    g_slc = gate(rng, 1, 53, 2)
+    expected = reference.forward(q, k, v, [mask], [g_slc], 1 / np.sqrt(20))
+    assert_close(selection(q, k, v, g_slc, indices, counts, 16), expected, FORWARD_TOLERANCE, "output")
+
+
 def test_bfloat16_forward(rng):
     q, k, v = qkv(rng, 1, 90, 4, 2, 64)
     indices = random_indices(rng, 1, 90, 2, 3, 16)
