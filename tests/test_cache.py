@@ -196,6 +196,22 @@ def test_load_module_never_runs_a_damaged_entry(demo: Path) -> None:
     assert_valid_entry(path, text)
 
 
+def test_load_module_runs_the_verified_text_not_the_file_a_moment_later(demo: Path, monkeypatch) -> None:
+    """Another process may rewrite the entry between its checksum test and the import: the module
+    runs the text that was verified, never what the file holds by then."""
+    p = demo_plan(name="swapped_after_the_check")
+    verified = cache._ensure_entry
+
+    def then_swapped(*args):
+        path, text = verified(*args)
+        _replace_code(path)
+        return path, text
+
+    monkeypatch.setattr(cache, "_ensure_entry", then_swapped)
+    module = cache.load_module("xla", p)
+    assert module.PLAN == p
+
+
 def _compile_in_child(templates: str, cache_root: str, barrier: multiprocessing.synchronize.Barrier) -> None:
     render.templates_dir = lambda: Path(templates)
     render.environment.cache_clear()
