@@ -4,8 +4,9 @@ keep the fastest, persisted on disk.
 Each candidate runs forward and forward+backward (`jax.value_and_grad` of the output's inner
 product with a random cotangent) on the same random inputs (never zeros: a kernel may skip
 work on them). Before it is timed, its output on a small slice of those inputs is compared with
-the kernel's reference configuration (the XLA backend); a candidate that differs, or fails to
-compile or run, is dropped with an AutotuneWarning and never chosen. The fastest
+the kernel's reference configuration (the XLA backend), and its gradients on the whole inputs
+with the heuristic configuration's; a candidate that differs, or fails to compile or run, is
+dropped with an AutotuneWarning and never chosen. The fastest
 forward+backward wins (ties: the faster forward).
 
 The choice is an entry `<cache root>/autotune/<key[:2]>/<key>.json` whose key covers the
@@ -257,13 +258,18 @@ def _median_time(fn: Callable, args: tuple, repeats: int) -> float:
 
 
 def relative_error(actual, expected) -> float:
-    """max |actual - expected| / max |expected| over the leaves (inf if not finite)."""
+    """max |actual - expected| / max |expected| over the leaves (inf if not finite), computed where
+    the arrays are (gradients of the tuning inputs are as large as the inputs), in float32 or wider."""
     worst = 0.0
     for a, e in zip(jax.tree_util.tree_leaves(actual), jax.tree_util.tree_leaves(expected), strict=True):
-        a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
-        if a.shape != e.shape or not np.isfinite(a).all():
+        a, e = jnp.asarray(a), jnp.asarray(e)
+        if a.shape != e.shape:
             return float("inf")
-        worst = max(worst, float(np.abs(a - e).max(initial=0.0) / max(np.abs(e).max(initial=0.0), 1e-30)))
+        wide = jnp.promote_types(jnp.promote_types(a.dtype, e.dtype), jnp.float32)
+        a, e = a.astype(wide), e.astype(wide)
+        if not bool(jnp.isfinite(a).all()):
+            return float("inf")
+        worst = max(worst, float(jnp.abs(a - e).max(initial=0.0)) / max(float(jnp.abs(e).max(initial=0.0)), 1e-30))
     return worst
 
 
@@ -300,9 +306,11 @@ def _compile(kernel: Kernel, cfg, arguments: Mapping[str, Any], cotangent_seed: 
     return _Compiled(cfg, lowered.compile(), step, step_args)
 
 
-def _measure(compiled: _Compiled, arrays: Mapping[str, Any], check: Callable, repeats: int) -> Measurement:
+def _measure(compiled: _Compiled, arrays: Mapping[str, Any], check: Callable, check_gradients: Callable,
+             repeats: int) -> Measurement:
     out = jax.block_until_ready(compiled.forward(arrays))
     error = check(out)
+    check_gradients(jax.block_until_ready(compiled.step(*compiled.step_args))[1])
     forward_s = _median_time(compiled.forward, (arrays,), repeats)
     forward_backward_s = _median_time(compiled.step, compiled.step_args, repeats)
     return Measurement(compiled.cfg, forward_s, forward_backward_s, error)
@@ -375,6 +383,7 @@ def _tune(kernel: Kernel, inv: Invocation, candidates, repeats: int, progress: b
     futures = _compile_all(kernel, candidates, arguments, seed + 1, start + limit, label)
     compile_s = time.perf_counter() - start
     arrays = {name: value for name, value in arguments.items() if _is_array(value)}
+    check_gradients = _gradient_check(kernel, inv, candidates, futures, arguments, seed + 1)
     untimed = sum(1 for future in futures if future.exception() is None and future.result() is None)
     bar = ProgressBar(len(candidates) - untimed, label) if progress else None
     for cfg, future in zip(candidates, futures, strict=True):
@@ -385,7 +394,7 @@ def _tune(kernel: Kernel, inv: Invocation, candidates, repeats: int, progress: b
             compiled = future.result() if future.exception() is None else _compile(kernel, cfg, arguments, seed + 1)
             if compiled is None:
                 continue
-            measured.append(_measure(compiled, arrays, check, repeats))
+            measured.append(_measure(compiled, arrays, check, check_gradients, repeats))
         except Exception as err:  # noqa: BLE001 -- any failure rejects the candidate: fail closed
             reason = str(err) if isinstance(err, _Mismatch) else f"{type(err).__name__}: {err}"
             rejected.append({"cfg": dataclasses.asdict(cfg), "reason": reason})
@@ -422,6 +431,35 @@ def _tune(kernel: Kernel, inv: Invocation, candidates, repeats: int, progress: b
     with _known_lock:
         _known[path] = best.cfg
     return best.cfg
+
+
+def _gradient_check(kernel: Kernel, inv: Invocation, candidates: list, futures: list[Future],
+                    arguments: Mapping[str, Any], cotangent_seed: int) -> Callable:
+    """check_gradients(gradients): _Mismatch unless a candidate's forward+backward gradients on the
+    tuning inputs are those of the kernel's heuristic configuration (correct by its contract, and
+    what the tests check against float64 references). The output check's slice cannot judge
+    gradients: later queries add to the slice's keys' gradients. If the heuristic configuration
+    fails here, every candidate is rejected: nothing says their gradients are right."""
+    heuristic = kernel.heuristic_cfg(inv)
+    try:
+        compiled = next((future.result() for cfg, future in zip(candidates, futures, strict=True)
+                         if cfg == heuristic and future.exception() is None and future.result() is not None), None)
+        compiled = compiled or _compile(kernel, heuristic, arguments, cotangent_seed)
+        expected, failure = compiled.step(*compiled.step_args)[1], None
+    except Exception as err:  # noqa: BLE001 -- fail closed, as a failing candidate does
+        expected, failure = None, f"{type(err).__name__}: {err}"
+
+    def check_gradients(gradients) -> None:
+        if failure is not None:
+            raise _Mismatch(f"no gradients to compare with: the heuristic configuration ({describe(heuristic)}) "
+                            f"failed: {failure}")
+        error = relative_error(gradients, expected)
+        tolerance = max(kernel.tolerance(leaf.dtype) for leaf in jax.tree_util.tree_leaves(gradients))
+        if not error <= tolerance:
+            raise _Mismatch(f"its gradients differ from the heuristic configuration's ({describe(heuristic)}): "
+                            f"relative error {error:.2e} > {tolerance:.0e}")
+
+    return check_gradients
 
 
 def _rank(m: Measurement) -> tuple[float, float]:

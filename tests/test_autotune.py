@@ -209,6 +209,44 @@ def test_wrong_or_failing_candidates_are_rejected_with_a_warning(tuned, capsys):
     assert autotune.read_entry(autotune.entry_path(nsa, inv), Config)[0] == good  # the stored choice stays
 
 
+@jax.custom_vjp
+def _tripled_gradient(x):
+    return x
+
+
+_tripled_gradient.defvjp(lambda x: (x, None), lambda _, g: (3.0 * g,))
+
+
+class WrongGradients(nsa_dsl.NativeSparseAttention):
+    """Candidates with a 1 MiB chunk compute the right output and a query gradient three times
+    too large: only their gradients can tell."""
+
+    version = "test-wrong-gradients"
+
+    def get_impl(self, cfg):
+        impl = super().get_impl(cfg)
+        if cfg.chunk_bytes != 1 << 20:
+            return impl
+
+        def wrong(plan, query, *args, **kwargs):
+            return impl(plan, _tripled_gradient(query), *args, **kwargs)
+
+        return wrong
+
+
+def test_a_candidate_whose_gradients_differ_is_rejected(tuned):
+    """The output check on a slice cannot see a wrong backward; the gradients on the whole tuning
+    inputs are compared with the heuristic configuration's."""
+    nsa = WrongGradients(block_size=BLOCK)
+    inv = nsa.invocation(*tuned.args)
+    wrong = Config(block_size=BLOCK, platform="xla", backend="cpu", chunk_bytes=1 << 20)
+    good = tuned.candidates[0]
+    with pytest.warns(nsa_dsl.AutotuneWarning) as caught:
+        assert nsa.autotune(inv, candidates=[wrong, good], repeats=1, progress=False) == good
+    messages = [str(w.message) for w in caught if w.category is nsa_dsl.AutotuneWarning]
+    assert len(messages) == 1 and "rejected xla chunk_bytes=1048576: its gradients differ from the heuristic" in messages[0]
+
+
 class MeetingPoint(nsa_dsl.NativeSparseAttention):
     """Tracing one of the `watched` configurations waits for another's tracing, on another thread:
     two can compile only at the same time. Tracing off the main thread fails once if `flaky`."""
