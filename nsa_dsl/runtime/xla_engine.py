@@ -52,15 +52,7 @@ class Schedule(NamedTuple):
     block: int  # rows per key block
     steps: int  # key blocks per work item at most, one per step
     chunk: int  # work items per chunk (C)
-    precision: lax.Precision  # of every product (matmul_precision)
-
-
-def matmul_precision(dtype) -> lax.Precision:
-    """The products' precision for inputs of `dtype`. XLA's default multiplies float32 in tf32 on
-    NVIDIA GPUs and in one bfloat16 pass on TPUs (~5e-4 and ~4e-3 relative): float32 inputs get
-    float32 products, as every other backend computes them (Triton's kernels multiply them in
-    "ieee"); 16-bit inputs lose nothing to the default, which is faster."""
-    return lax.Precision.HIGHEST if jnp.dtype(dtype).itemsize >= 4 else lax.Precision.DEFAULT
+    precision: lax.Precision  # of every product (layout.matmul_precision)
 
 
 # A work dict may hold STEPS, [items] int: how many of the `steps` key blocks each item reads
@@ -81,7 +73,7 @@ def schedule(keys_for, *, items, rows, heads_q, heads_kv, head_dim, steps, block
     )
     chunk = max(1, min(items, chunk_bytes // per_item))
     chunk = -(-items // -(-items // chunk))  # the same number of chunks, evenly filled
-    return Schedule(keys_for, block, max(steps, 1), chunk, matmul_precision(dtype))
+    return Schedule(keys_for, block, max(steps, 1), chunk, layout.matmul_precision(dtype))
 
 
 def frame(offset, q_len: int, k_len: int, batch: int, block: int) -> Frame:
@@ -482,7 +474,7 @@ def selection_scores(q, k_cmp, count, q_pos, length, cmp_block, cmp_stride, sel_
     q [C, HKV, R, G, D] (scaled), k_cmp [C, HKV, M, D] the rows' compressed keys, count [C] how
     many exist, q_pos [C, R] the rows' positions in sequences of `length` [C] ->
     [C, HKV, R, num_sel] summed over the group's heads; rows past the sequence score 0. `precision`:
-    the product's (matmul_precision)."""
+    the product's (layout.matmul_precision)."""
     index = jnp.arange(k_cmp.shape[2])
     visible = (
         (index[None, None, :] < count[:, None, None])
@@ -527,7 +519,7 @@ def topk_selection(
     rows = frame.rows
     k_cmp, _, cmp_offsets = pooled
     heads_kv = k_cmp.shape[1]
-    precision = matmul_precision(k_cmp.dtype)
+    precision = layout.matmul_precision(k_cmp.dtype)
     tiles, placement = query_tiles(cu_seqlens, frame)
     most = max((frame.k_len - cmp_block) // cmp_stride + 1, 1)
     count, sel_block = layout.fitted_selection(count, sel_block, cmp_stride, frame.k_len)
