@@ -197,26 +197,31 @@ def launch(
     kernel's constexpr parameters. Returns the output arrays."""
     outputs = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outputs]
     aliases = dict(aliases or {})
+    arrays = [x for x in inputs if not _is_scalar(x)]
     if on_gpu():
         import jax_triton
 
         triton_cache.install()
         triton_ffi.install()
         ptxas_cache.install()
-        result = jax_triton.triton_call(
-            *inputs,
-            kernel=kernel,
-            out_shape=outputs,
-            grid=grid,
-            num_warps=num_warps,
-            num_stages=num_stages,
-            zeroed_outputs=tuple(zeroed),
-            # jax-triton numbers the array inputs alone.
-            input_output_aliases={_array_position(inputs, i): o for i, o in aliases.items()},
-            **constants,
-        )
-        return varying_like(result, inputs)
-    arrays = [x for x in inputs if not _is_scalar(x)]
+
+        def call(*arrays):
+            return jax_triton.triton_call(
+                *_with_numbers(inputs, arrays),
+                kernel=kernel,
+                out_shape=outputs,
+                grid=grid,
+                num_warps=num_warps,
+                num_stages=num_stages,
+                zeroed_outputs=tuple(zeroed),
+                # jax-triton numbers the array inputs alone.
+                input_output_aliases={_array_position(inputs, i): o for i, o in aliases.items()},
+                **constants,
+            )
+
+        # jax-triton's call has no batching rule: under jax.vmap a launch runs once per element of
+        # the mapped axis, as the interpreter's pure_callback does (vmap_method="sequential").
+        return varying_like(jax.custom_batching.sequential_vmap(call)(*arrays), inputs)
     callback = functools.partial(_interpret, kernel, grid, tuple(inputs), tuple(outputs), tuple(zeroed),
                                  tuple(aliases.items()), constants)
     return varying_like(jax.pure_callback(callback, outputs, *arrays, vmap_method="sequential"), arrays)
@@ -224,6 +229,12 @@ def launch(
 
 def _is_scalar(x) -> bool:
     return isinstance(x, (bool, int, float))
+
+
+def _with_numbers(inputs: Sequence, arrays: Sequence) -> list:
+    """inputs with its arrays, in order, replaced by `arrays` (its numbers kept)."""
+    replacements = iter(arrays)
+    return [x if _is_scalar(x) else next(replacements) for x in inputs]
 
 
 def _array_position(inputs: Sequence, position: int) -> int:
