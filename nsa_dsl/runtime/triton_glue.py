@@ -148,25 +148,6 @@ def check_dtype(dtype) -> None:
         )
 
 
-def float64_in_float32(entry):
-    """A generated module's entry (query, key, value, **arguments) taking float64 inputs
-    (jax_enable_x64): its kernels compute in float32, as every platform accumulates, and rank the
-    top-k by keys built from 32-bit scores, so float64 arrays go in as float32 and its floating
-    results come back as float64 (gradients follow the casts)."""
-
-    def narrow(x):
-        return x.astype(jnp.float32) if getattr(x, "dtype", None) == jnp.float64 else x
-
-    @functools.wraps(entry)
-    def run(query, key, value, **arguments):
-        if query.dtype != jnp.float64:
-            return entry(query, key, value, **arguments)
-        result = entry(narrow(query), narrow(key), narrow(value), **jax.tree.map(narrow, arguments))
-        return jax.tree.map(lambda x: x.astype(jnp.float64) if jnp.issubdtype(x.dtype, jnp.floating) else x, result)
-
-    return run
-
-
 def next_power_of_two(n: int, minimum: int = 1) -> int:
     """The smallest power of two >= max(n, minimum): tile extents must be powers of two."""
     return max(1 << max(n - 1, 0).bit_length(), minimum)
