@@ -23,9 +23,11 @@ from nsa_dsl.plan import lower
 
 # (forward, gradients) against float64, by the inputs' dtype: accumulation error only in float32 (the
 # interpreters' tiles included); in half precision, the rounding of the inputs the kernels' products
-# take (p and ds among them) and of what they store.
+# take (p and ds among them) and of what they store. float64 inputs (jax_enable_x64) are computed in
+# float32 on every platform.
 TOLERANCE = {
     "float32": (FORWARD_TOLERANCE, GRADIENT_TOLERANCE),
+    "float64": (FORWARD_TOLERANCE, GRADIENT_TOLERANCE),
     "float16": (5e-3, 5e-3),
     "bfloat16": (2e-2, 2e-2),
 }

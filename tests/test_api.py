@@ -13,12 +13,22 @@ import pytest
 
 import nsa_dsl
 import reference
-from conftest import FORWARD_TOLERANCE, assert_close, gate, qkv
+from conftest import (
+    FORWARD_TOLERANCE,
+    GRADIENT_TOLERANCE,
+    assert_close,
+    check_selection_against_reference,
+    gate,
+    qkv,
+    random_indices,
+)
 from nsa_check import check_against_reference
 from nsa_reference import small_example
+from static_check import check_static
 from nsa_dsl.api import check_pattern, selection_plan
 from nsa_dsl.plan import lower
 from nsa_dsl.runtime.check import reference_output
+from nsa_dsl.runtime.dispatch import choose_platform
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -380,28 +390,66 @@ def test_a_count_past_every_rows_blocks_takes_them_all(rng, platform):
 
 
 
-@pytest.mark.parametrize("platform", ["xla", "triton"])
+@pytest.mark.parametrize("platform", ["xla", "triton", "pallas"])
 def test_float64_inputs_under_x64_match_the_reference(rng, platform):
     """With jax_enable_x64, float64 inputs run as float32 computations (as every platform
     accumulates) with float64 outputs and gradients: Triton's top-k, whose ranking keys are built
-    from 32-bit scores, failed deep inside its interpreter on float64 ones."""
+    from 32-bit scores, failed deep inside its interpreter on float64 ones; Pallas was refused."""
     source, spec = small_example("nsa")
     with jax.enable_x64(True):
         check_against_reference(rng, source, spec, batch=1, seq_len=100, heads_q=4, heads_kv=2, head_dim=12,
                                 dtype=np.float64, platform=platform)
 
 
-def test_pallas_refuses_x64_by_name_and_is_not_chosen_under_it(rng):
-    """Pallas' interpreter mixes int32 and int64 indices under jax_enable_x64 and fails deep in its
-    lowering: asked for by name it is a ValueError saying so; chosen automatically, it never is."""
-    q, k, v = qkv(rng, 1, 40, 2, 1, 8)
-    attention = nsa_dsl.compile("pattern p\nblock 16\nbranch main = window(20) | global(first=1)\n")
+def test_pallas_under_x64_runs_a_window_on_int64_sequence_offsets(rng):
+    """Pallas under jax_enable_x64 was refused: its interpreter mixed the kernels' int32 indices with
+    x64's int64 ones when it lowered them. Now float64 inputs run as float32 (the kernels traced,
+    differentiated and lowered with x64 off) with float64 outputs and gradients, here a window on
+    packed sequences of odd lengths given as int64 offsets, two query heads a KV head."""
+    attention = nsa_dsl.compile("pattern p\nblock 16\nbranch main = window(20)\n")
     with jax.enable_x64(True):
-        with pytest.raises(ValueError, match="platform='pallas'.*jax_enable_x64"):
-            attention(q, k, v, platform="pallas")
-        with pytest.raises(ValueError, match="platform='pallas'.*jax_enable_x64"):
-            nsa_dsl.native_sparse_attention(q, k, v, gate(rng, 1, 40, 2), None, None, 2, platform="pallas")
-        assert nsa_dsl.runtime.dispatch.choose_platform(attention.plan, None, nsa_dsl.NativeSparseAttentionConfig(backend="tpu")) == "xla"
+        q, k, v = qkv(rng, 1, 75, 4, 2, 24, dtype=np.float64)
+        check_static(rng, attention, q, k, v, cu_seqlens=np.array([0, 29, 75], np.int64), platform="pallas")
+        assert choose_platform(attention.plan, None, nsa_dsl.NativeSparseAttentionConfig(backend="tpu")) == "pallas"
+
+
+def test_pallas_under_x64_runs_an_explicit_selection_of_int64_indices(rng):
+    """As above, block_indices and block_counts int64 through native_sparse_attention."""
+
+    def selection(q, k, v, g_slc, indices, counts, block, cu_seqlens):
+        cfg = nsa_dsl.NativeSparseAttentionConfig(block_size=block)
+        return nsa_dsl.native_sparse_attention(q, k, v, None, g_slc, indices, counts, cu_seqlens, platform="pallas", cfg=cfg)
+
+    with jax.enable_x64(True):
+        q, k, v = qkv(rng, 1, 45, 6, 2, 16, dtype=np.float64)
+        g_slc = gate(rng, 1, 45, 6).astype(np.float64)
+        indices = random_indices(rng, 1, 45, 2, 3, 8).astype(np.int64)
+        counts = rng.integers(0, 4, (1, 45, 2)).astype(np.int64)
+        check_selection_against_reference(rng, selection, q, k, v, g_slc, indices, counts, 8, None,
+                                          (FORWARD_TOLERANCE, GRADIENT_TOLERANCE))
+
+
+@pytest.mark.filterwarnings("error:Explicitly requested dtype float64")
+def test_pallas_under_x64_takes_float64_gates_and_scale_beside_float32_inputs(rng):
+    """float32 inputs with float64 gates and softmax scale: computed in float32 without JAX's
+    warning that it truncated float64 values (Pallas traces with x64 off), the output float32 and
+    the gradients of the gate and the scale float64, XLA's."""
+    attention = nsa_dsl.compile("pattern p\nblock 16\nbranch main = window(20) gate g_swa\n")
+    q, k, v = qkv(rng, 1, 45, 4, 2, 16)
+    with jax.enable_x64(True):
+        g_swa, scale = jnp.asarray(gate(rng, 1, 45, 4), jnp.float64), jnp.asarray(0.3)
+
+        def loss(q, g_swa, scale, platform):
+            out = attention(q, k, v, g_swa=g_swa, softmax_scale=scale, platform=platform)
+            return (out**2).sum(), out
+
+        gradients = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True), static_argnames="platform")
+        got, out = gradients(q, g_swa, scale, platform="pallas")
+        wanted, want_out = gradients(q, g_swa, scale, platform="xla")
+    assert out.dtype == got[0].dtype == jnp.float32 and got[1].dtype == got[2].dtype == jnp.float64
+    assert_close(out, want_out, FORWARD_TOLERANCE, "output")
+    for name, actual, expected in zip(("dq", "dg_swa", "d softmax_scale"), got, wanted):
+        assert_close(actual, expected, GRADIENT_TOLERANCE, name)
 
 
 @pytest.mark.parametrize("dtype", ["int8", "int16", "uint16", "uint32", "int64", "uint64"])

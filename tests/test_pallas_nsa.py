@@ -195,19 +195,51 @@ def test_selection_per_block_of_queries_with_learned_pooling_float16(rng):
     check_per_block_learned(rng, gradients=False)
 
 
-def test_kernels_lower_to_triton_for_a_gpu(rng, monkeypatch):
-    """Without a GPU here, lower (not run) forward and backward for CUDA, in bfloat16: every kernel
-    (compression, top-k per block of queries, selection, sliding window; their dq and dk/dv) must
-    go through Pallas' Triton lowering."""
-    dtype = jnp.bfloat16
+@pytest.mark.filterwarnings("error:Explicitly requested dtype float64")
+def test_learned_pooling_of_float64_weights_under_x64(rng):
+    """Under jax_enable_x64 the kernels trace with x64 off, but the caller's pooling function runs
+    as the caller set x64: its float64 weights pool in float64 (JAX warned it truncated them to
+    float32), and output and gradients, the weights' included, are float64 and XLA's."""
+    attention = nsa_dsl.compile(
+        "pattern p\nblock 16\n"
+        "branch cmp = compress(block=16, stride=8, pool=learned) gate g_cmp\n"
+        "branch slc = topk(3, block=16, score=cmp) gate g_slc\n"
+    )
+    with jax.enable_x64(True):
+        q, k, v = (jnp.asarray(x) for x in qkv(rng, 1, 75, 4, 2, 16, dtype=np.float64))
+        gates = {name: jnp.asarray(gate(rng, 1, 75, 4), jnp.float64) for name in ("g_cmp", "g_slc")}
+        weights = jnp.asarray(rng.uniform(0.0, 0.3, 16))
+
+        def loss(weights, q, k, platform):
+            def pool(k_blocks, v_blocks):
+                return jnp.einsum("cjhd,j->chd", k_blocks, weights), jnp.einsum("cjhd,j->chd", v_blocks, weights)
+
+            out = attention(q, k, v, platform=platform, pool_fns={"cmp": pool}, **gates)
+            return (out**2).sum(), out
+
+        gradients = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True), static_argnames="platform")
+        (d_weights, d_q, d_k), out = gradients(weights, q, k, platform="pallas")
+        (want_weights, want_q, want_k), want_out = gradients(weights, q, k, platform="xla")
+    assert out.dtype == d_weights.dtype == d_q.dtype == d_k.dtype == jnp.float64
+    assert_close(out, want_out, FORWARD_TOLERANCE, "output")
+    for name, got, want in (("d weights", d_weights, want_weights), ("dq", d_q, want_q), ("dk", d_k, want_k)):
+        assert_close(got, want, GRADIENT_TOLERANCE, name)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float64])
+def test_kernels_lower_to_triton_for_a_gpu(rng, monkeypatch, dtype):
+    """Without a GPU here, lower (not run) forward and backward for CUDA, in bfloat16, and in float64
+    under jax_enable_x64 (computed in float32; x64's int64 values met the kernels' int32 indices
+    there, and tracing failed): every kernel (compression, top-k per block of queries, selection,
+    sliding window; their dq and dk/dv) must go through Pallas' Triton lowering."""
     text, _ = paper_example()
     text = text.replace("local(2))", "local(2)) per block(4)")
     attention = nsa_dsl.compile(text)
     module = codegen.load_module("pallas", attention.plan)
     monkeypatch.setattr(module, "ON_GPU", True)
     monkeypatch.setattr(module, "POWER_OF_TWO_TILES", True)
-    q, k, v = (jnp.asarray(x, dtype) for x in qkv(rng, 1, 97, 6, 2, 24))
-    gates = {f"g_{name}": jnp.asarray(gate(rng, 1, 97, 6), dtype) for name in ("cmp", "slc", "swa")}
+    q, k, v = (np.asarray(x, dtype) for x in qkv(rng, 1, 97, 6, 2, 24))
+    gates = {f"g_{name}": np.asarray(gate(rng, 1, 97, 6), dtype) for name in ("cmp", "slc", "swa")}
     tables = dispatch.branch_tables(attention.plan, 97)
 
     def loss(q, k, v):
@@ -215,7 +247,8 @@ def test_kernels_lower_to_triton_for_a_gpu(rng, monkeypatch):
         return jnp.sum(out.astype(jnp.float32))
 
     for function, kernels in ((loss, 4), (jax.grad(loss, argnums=(0, 1, 2)), 10)):
-        text = lower_for_cuda(jax.jit(function), q, k, v).as_text()
+        with jax.enable_x64(dtype == jnp.float64):
+            text = lower_for_cuda(jax.jit(function), q, k, v).as_text()
         assert text.count("__gpu$xla.gpu.triton") == kernels
 
 
@@ -281,10 +314,11 @@ def test_tpu_variant_schedules_of_a_long_sequence_fit_scalar_memory():
     jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv)
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32, jnp.float64])
 def test_tpu_variant_kernels_lower_for_a_tpu(monkeypatch, dtype):
     """Lower (not run) forward and backward for a TPU from the CPU: compression (forward, dq, dk/dv),
-    top-k, selection and the window's kernels go through Pallas' Mosaic lowering on (8, 128) tiles."""
+    top-k, selection and the window's kernels go through Pallas' Mosaic lowering on (8, 128) tiles;
+    float64 under jax_enable_x64 as float32 (Mosaic refused the 64-bit types x64 made)."""
     text, _ = paper_example()
     attention = nsa_dsl.compile(text)
     module = codegen.load_module("pallas", attention.plan, TPU)
@@ -307,5 +341,6 @@ def test_tpu_variant_kernels_lower_for_a_tpu(monkeypatch, dtype):
         "static_backward_dkdv",
     }
     for function, kernels in ((loss, forward), (jax.grad(loss, argnums=(0, 1, 2)), forward | backward)):
-        text = jax.jit(function).trace(q, k, k, gates).lower(lowering_platforms=("tpu",)).as_text()
+        with jax.enable_x64(dtype == jnp.float64):
+            text = jax.jit(function).trace(q, k, k, gates).lower(lowering_platforms=("tpu",)).as_text()
         assert set(re.findall(r'kernel_name = "(\w+)"', text)) == kernels

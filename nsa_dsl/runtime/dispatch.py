@@ -33,15 +33,9 @@ def takes_query_shard(platform: str, config: NativeSparseAttentionConfig | None 
     return platform in _QUERY_SHARD_PLATFORMS and not (platform == "pallas" and for_device(config).backend == "tpu")
 
 
-def runs_under_x64(platform: str) -> bool:
-    """Whether `platform` runs with jax's current x64 setting: under jax_enable_x64 Pallas'
-    interpreter (and its lowering) mixes its int32 indices with int64 ones and fails deep inside."""
-    return platform != "pallas" or not jax.config.jax_enable_x64
-
-
 def supports(plan: p.Plan, platform: str, *, query_shard: bool = False, config=None) -> bool:
     kernels = all(isinstance(branch, _KERNELS.get(platform, ())) for branch in plan.branches)
-    return kernels and (not query_shard or takes_query_shard(platform, config)) and runs_under_x64(platform)
+    return kernels and (not query_shard or takes_query_shard(platform, config))
 
 
 def choose_platform(
@@ -71,11 +65,6 @@ def run_on_platform(
     nor the config's platform names one) whose kernels cannot take these shapes (PlatformLimitError,
     raised while tracing) gives way to XLA, with a warning; a platform asked for by name raises."""
     platform = choose_platform(plan, requested, config, query_shard=query_shard)
-    if not runs_under_x64(platform):
-        raise ValueError(
-            f"platform={platform!r} does not run with jax_enable_x64 on (Pallas mixes its int32 indices with "
-            f"int64 ones there); use platform='xla' or 'triton', or turn x64 off"
-        )
     try:
         return call(platform)
     except PlatformLimitError as err:
