@@ -13,6 +13,7 @@ the user's setting. The Pallas kernels then trace and lower as they do where x64
 
 from __future__ import annotations
 
+import contextvars
 import functools
 
 import jax
@@ -20,6 +21,9 @@ import jax.numpy as jnp
 
 # pallas_call metadata marking the kernels that lower with x64 off; the lowering removes it.
 _LOWERED_WITHOUT_X64 = {"nsa_dsl": "lowered without x64"}
+# Whether the caller of the running `without_x64` function had x64 on: only then are its kernels
+# marked, so that where x64 is off nothing differs from a plain pl.pallas_call.
+_CALLER_HAS_X64 = contextvars.ContextVar("nsa_dsl_caller_has_x64", default=False)
 
 
 def float64_in_float32(entry):
@@ -54,8 +58,12 @@ def without_x64(function):
             return function(*arguments, **options)
         arguments = jax.tree.map(_narrow, arguments)
         options = jax.tree.map(lambda x: _with_x64(x) if callable(x) else _narrow(x), options)
-        with jax.enable_x64(False):
-            return function(*arguments, **options)
+        marking = _CALLER_HAS_X64.set(True)
+        try:
+            with jax.enable_x64(False):
+                return function(*arguments, **options)
+        finally:
+            _CALLER_HAS_X64.reset(marking)
 
     return run
 
@@ -71,9 +79,11 @@ def _with_x64(function):
 
 def pallas_call(kernel, **options):
     """pl.pallas_call(kernel, **options), lowered with jax_enable_x64 off whatever the setting
-    where the program around it lowers."""
+    where the program around it lowers; unchanged where its caller has x64 off."""
     from jax.experimental import pallas as pl
 
+    if not _CALLER_HAS_X64.get():
+        return pl.pallas_call(kernel, **options)
     _lower_marked_kernels_without_x64()
     return pl.pallas_call(kernel, metadata=_LOWERED_WITHOUT_X64, **options)
 
