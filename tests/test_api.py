@@ -452,6 +452,24 @@ def test_pallas_under_x64_takes_float64_gates_and_scale_beside_float32_inputs(rn
         assert_close(actual, expected, GRADIENT_TOLERANCE, name)
 
 
+def test_pallas_kernels_are_marked_to_lower_without_x64_only_under_x64(rng):
+    """x64.pallas_call marks a kernel for its x64-off lowering only where the caller has x64 on:
+    with x64 off the program holds plain pallas_calls, as before Pallas ran under x64, forward and
+    backward."""
+    attention = nsa_dsl.compile("pattern p\nblock 16\nbranch main = window(20)\n")
+
+    def calls_and_marks(q, k, v):
+        loss = lambda q: (attention(q, k, v, platform="pallas") ** 2).sum()  # noqa: E731
+        program = str(jax.make_jaxpr(jax.value_and_grad(loss))(q))
+        return program.count("pallas_call["), program.count("lowered without x64")
+
+    q, k, v = qkv(rng, 1, 40, 4, 2, 16)
+    calls, marks = calls_and_marks(q, k, v)
+    assert calls >= 2 and marks == 0
+    with jax.enable_x64(True):
+        assert calls_and_marks(*(x.astype(np.float64) for x in (q, k, v))) == (calls, calls)
+
+
 @pytest.mark.parametrize("dtype", ["int8", "int16", "uint16", "uint32", "int64", "uint64"])
 def test_integer_arguments_of_any_width_are_their_values(rng, dtype):
     """block_indices, block_counts, cu_seqlens and query_offset as jax arrays of any integer
