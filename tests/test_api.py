@@ -459,7 +459,7 @@ def test_pallas_kernels_are_marked_to_lower_without_x64_only_under_x64(rng):
     attention = nsa_dsl.compile("pattern p\nblock 16\nbranch main = window(20)\n")
 
     def calls_and_marks(q, k, v):
-        loss = lambda q: (attention(q, k, v, platform="pallas") ** 2).sum()  # noqa: E731
+        loss = lambda q: (attention(q, k, v, platform="pallas") ** 2).sum()
         program = str(jax.make_jaxpr(jax.value_and_grad(loss))(q))
         return program.count("pallas_call["), program.count("lowered without x64")
 
