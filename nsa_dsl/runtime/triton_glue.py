@@ -186,9 +186,9 @@ def launch(
         triton_ffi.install()
         ptxas_cache.install()
 
-        def call(*arrays):
+        def call(*array_values):
             return jax_triton.triton_call(
-                *_with_numbers(inputs, arrays),
+                *_with_numbers(inputs, array_values),
                 kernel=kernel,
                 out_shape=outputs,
                 grid=grid,
