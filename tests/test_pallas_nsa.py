@@ -344,3 +344,56 @@ def test_tpu_variant_kernels_lower_for_a_tpu(monkeypatch, dtype):
         with jax.enable_x64(dtype == jnp.float64):
             text = jax.jit(function).trace(q, k, k, gates).lower(lowering_platforms=("tpu",)).as_text()
         assert set(re.findall(r'kernel_name = "(\w+)"', text)) == kernels
+
+
+# ---- the top-k's running best (keep_best of both variants) ---------------------------------------
+
+
+def best_in_numpy(scores, count):
+    """Per row of scores [rows, blocks] (-inf: not a candidate): the ids of its `count` best,
+    best first, the lower id first on exact ties (lax.top_k's order, nsa_reference's), -1 unused."""
+    best = np.full((scores.shape[0], count), -1)
+    for row, row_scores in enumerate(np.asarray(scores, np.float64)):
+        ids = np.flatnonzero(row_scores > -np.inf)
+        ranked = ids[np.lexsort((ids, -row_scores[ids]))][:count]
+        best[row, : ranked.size] = ranked
+    return best
+
+
+def tied_scores(rng, rows, blocks):
+    """Candidate scores [rows, blocks] in float32 with exact ties within and across chunks: values
+    drawn from a few, some +inf (forced), some -inf (not valid); the second half of the rows has
+    candidates among its first 4 blocks only (fewer than the count, often: empty slots)."""
+    values = np.array([0.0, 0.375, 1.25, np.inf, -np.inf], np.float32)
+    scores = rng.choice(values, (rows, blocks), p=[0.3, 0.3, 0.25, 0.05, 0.1])
+    scores[rows // 2 :, 4:] = -np.inf
+    return scores
+
+
+@pytest.mark.parametrize("count", [3, 5])
+def test_keep_best_breaks_ties_towards_the_lower_block_id(rng, count):
+    """The top-k's running best of both variants (topk_kernel's keep_best, chunk after chunk of
+    blocks, as the kernels walk them) on scores with exact ties within a chunk and across chunks,
+    forced (+inf) and invalid (-inf) candidates: the best `count` ids, best first, the lower id
+    first on ties. The NSA tests compare the scores of the chosen blocks, which an exact tie leaves
+    equal whichever block wins it."""
+    text, _ = paper_example()
+    plan = nsa_dsl.compile(text).plan
+    rows, chunk, chunks = 32, 8, 5
+    scores = tied_scores(rng, rows, chunk * chunks)
+    want = best_in_numpy(scores, count)
+
+    gpu = codegen.load_module("pallas", plan, None)
+    top_pad = 1 << (count - 1).bit_length()
+    best = (jnp.full((rows, top_pad), -jnp.inf), jnp.full((rows, top_pad), -1, jnp.int32))
+    for c in range(chunks):
+        block_ids = jnp.broadcast_to(c * chunk + jnp.arange(chunk, dtype=jnp.int32), (rows, chunk))
+        best = gpu.keep_best(best, jnp.asarray(scores[:, c * chunk : (c + 1) * chunk]), block_ids, count)
+    np.testing.assert_array_equal(np.asarray(best[1])[:, :count], want, "gpu variant")
+
+    tpu = codegen.load_module("pallas", plan, TPU)  # [slots, groups]: a group a lane
+    kept = (jnp.full((top_pad, rows), -jnp.inf), jnp.full((top_pad, rows), -1, jnp.int32))
+    for c in range(chunks):
+        block_ids = jnp.broadcast_to(c * chunk + jnp.arange(chunk, dtype=jnp.int32)[:, None], (chunk, rows))
+        kept = tpu.keep_best(*kept, jnp.asarray(scores[:, c * chunk : (c + 1) * chunk].T), block_ids, count)
+    np.testing.assert_array_equal(np.asarray(kept[1]).T[:, :count], want, "tpu variant")
