@@ -131,6 +131,27 @@ def test_paper_example_in_several_steps(rng, monkeypatch):
     run_and_check(rng, text, spec, batch=1, seq_len=97, heads_q=6, heads_kv=2, head_dim=24, patch=small_steps)
 
 
+def test_top_k_in_many_chunks_without_forced_blocks_at_the_end(rng, monkeypatch):
+    """The GPU variant's top-k over chunks of 3 selection blocks (16 compressed keys a step, l = 8,
+    d = 4), 10 blocks, top-4 with only block 0 forced, one selection group a program (per block(16)):
+    a chunk must be merged where one of its blocks beats the group's last kept block (the kernel
+    skips the chunks that beat none), and a block it keeps may stay to the end, as no forced
+    block comes after it. Selections and output."""
+    text = (
+        "pattern p\nblock 16\n"
+        "branch cmp = compress(block=8, stride=4) gate g_cmp\n"
+        "branch slc = topk(4, block=16, score=cmp, force=global(first=1)) per block(16) gate g_slc\n"
+    )
+    spec = NsaSpec(compress_block=8, compress_stride=4, select_count=4, select_block=16, query_block=16,
+                   forced=lambda qb, kb: kb < 1)
+
+    def small_steps(module):
+        monkeypatch.setattr(module, "SCORED_KEYS", 16)
+
+    run_and_check(rng, text, spec, batch=1, seq_len=150, heads_q=4, heads_kv=2, head_dim=16, patch=small_steps,
+                  gradients=False)
+
+
 @pytest.fixture
 def pallas_constants(monkeypatch):
     """set(**constants): every Pallas module the test's calls load (nsa_dsl runs the plan fitted to
