@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import reference
 from conftest import (
     assert_close,
     gate,
@@ -224,6 +225,45 @@ def test_the_selection_kernel_writes_every_branchs_gated_output(rng, monkeypatch
         expected += nsa_reference(q, k, v, replace(spec, window=8), gates={"swa": values["g_near"]}, selected=chosen)[0]
     assert_close(out, expected, TOLERANCE[np.float32][0], "output")
 
+
+
+@pytest.mark.parametrize("by_key_block", [False, True], ids=["token by token", "key block by key block"])
+def test_the_selection_kernel_weighs_each_other_branch_by_its_own_gate(rng, monkeypatch, request, by_key_block):
+    """A compression and a table-form static branch beside the top-k, each gated: not
+    differentiated, the selection's kernel adds two terms each weighed by its own gate (in the NSA
+    examples the window and the compression make one term, weighed already). Token by token
+    (gated_selection_forward) or key block by key block (gated_merge); group 2 over two KV heads,
+    odd length."""
+    if by_key_block:
+        request.getfixturevalue("block_outer_forward")
+    source = ("pattern p\nblock 16\ncausal\ngate g_far\n"
+              "branch cmp = compress(block=8, stride=4) gate g_cmp\n"
+              "branch slc = topk(3, block=16, score=cmp, force=local(1)) gate g_slc\n"
+              "branch far = global(first=1) | random(1, seed=3) gate g_far\n")
+    spec = NsaSpec(compress_block=8, compress_stride=4, select_count=3, select_block=16, forced=FORCE_OWN[1])
+    batch, seq_len, heads_q, heads_kv, head_dim = 1, 53, 4, 2, 16
+    q, k, v = qkv(rng, batch, seq_len, heads_q, heads_kv, head_dim)
+    values = {name: gate(rng, batch, seq_len, heads_q) for name in ("g_cmp", "g_slc", "g_far")}
+    attn = nsa_dsl.compile(source)
+    call = jax.jit(lambda q, k, v, values: attn(q, k, v, platform="triton", **values))
+    epilogues, launch = [], triton_glue.launch
+
+    def recording(kernel, grid, *args, **constants):
+        if kernel.__name__ in ("gated_selection_forward", "gated_merge"):
+            epilogues.append({name: constants[name] for name in ("TERMS", "WEIGHTED_0", "WEIGHTED_1")})
+        return launch(kernel, grid, *args, **constants)
+
+    monkeypatch.setattr(triton_glue, "launch", recording)
+    out = call(q, k, v, values)
+    assert epilogues == [{"TERMS": 2, "WEIGHTED_0": True, "WEIGHTED_1": True}], epilogues
+
+    chosen = np.asarray(attn.selections(q, k, v, platform="triton")["slc"])
+    expected, _, _, _ = nsa_reference(q, k, v, spec, gates={"cmp": values["g_cmp"], "slc": values["g_slc"]},
+                                      selected=chosen)
+    far = next(branch.keys for branch in attn.pattern.branches if branch.name == "far")
+    mask = reference.static_mask(far, 16, True, batch, seq_len)
+    expected += reference.forward(q, k, v, [mask], [values["g_far"]], head_dim**-0.5)
+    assert_close(out, expected, TOLERANCE[np.float32][0], "output")
 
 @triton.jit
 def walk_chunks(scores, valid, kept, keep_best: tl.constexpr, block_of: tl.constexpr, CHUNKS: tl.constexpr,
