@@ -198,36 +198,46 @@ def dense_operators(spec: NsaSpec, batch: int, total: int, cu_seqlens=None):
     return pool, visible
 
 
+def dense_nsa_output(spec: NsaSpec, names, chosen, batch: int, total: int, *, scale: float, cu_seqlens=None):
+    """The NSA output as a jax.numpy function output(q, k, v, gates) of the branches `names` (gates
+    in that order) for a fixed selection `chosen` [B, T, HKV, n] (selection is not differentiated),
+    through dense formulations; call it under jax.enable_x64 with float64 arrays."""
+    import jax.numpy as jnp
+
+    import reference
+    from nsa_dsl.dsl import model
+
+    pool, cmp_visible = dense_operators(spec, batch, total, cu_seqlens)
+    masks = {"cmp": cmp_visible, "slc": reference.selection_mask(chosen, spec.select_count, spec.select_block, cu_seqlens)}
+    if spec.window is not None:
+        masks["swa"] = reference.static_mask(model.Window(spec.window), spec.select_block, True, batch, total, cu_seqlens)
+
+    def output(q, k, v, gates):
+        out = 0.0
+        for name, gate in zip(names, gates):
+            if name == "cmp":
+                kc, vc = (jnp.einsum("ct,bthd->bchd", jnp.asarray(pool, jnp.float64), x) for x in (k, v))
+                branch = reference.attention(q, kc, vc, masks[name], scale, jnp)
+            else:
+                branch = reference.attention(q, k, v, masks[name], scale, jnp)
+            out = out + gate[..., None] * branch
+        return out
+
+    return output
+
+
 def nsa_gradients(q, k, v, spec: NsaSpec, gates: dict[str, np.ndarray | None], chosen, d_out, *, scale=None, cu_seqlens=None):
     """Float64 cotangents {q, k, v, g_<branch>...} of the NSA output for a fixed selection
     `chosen` [B, T, HKV, n] (selection is not differentiated), through dense formulations."""
     import jax
     import jax.numpy as jnp
 
-    import reference
-    from nsa_dsl.dsl import model
-
     batch, total, _, dim = np.shape(q)
-    scale = dim**-0.5 if scale is None else scale
-    pool, cmp_visible = dense_operators(spec, batch, total, cu_seqlens)
-    masks = {"cmp": cmp_visible, "slc": reference.selection_mask(chosen, spec.select_count, spec.select_block, cu_seqlens)}
-    if spec.window is not None:
-        masks["swa"] = reference.static_mask(model.Window(spec.window), spec.select_block, True, batch, total, cu_seqlens)
-    names = [name for name in masks if gates.get(name) is not None]
+    names = [name for name in ("cmp", "slc", "swa") if gates.get(name) is not None and (name != "swa" or spec.window is not None)]
+    output = dense_nsa_output(spec, names, chosen, batch, total, scale=dim**-0.5 if scale is None else scale,
+                              cu_seqlens=cu_seqlens)
     with jax.enable_x64(True):
         as64 = lambda x: jnp.asarray(np.asarray(x, dtype=np.float64))  # noqa: E731
-
-        def output(q, k, v, given):
-            out = 0.0
-            for name, gate in zip(names, given):
-                if name == "cmp":
-                    kc, vc = (jnp.einsum("ct,bthd->bchd", as64(pool), x) for x in (k, v))
-                    branch = reference.attention(q, kc, vc, masks[name], scale, jnp)
-                else:
-                    branch = reference.attention(q, k, v, masks[name], scale, jnp)
-                out = out + gate[..., None] * branch
-            return out
-
         pullback = jax.jit(lambda q, k, v, g, d: jax.vjp(output, q, k, v, g)[1](d))
         dq, dk, dv, dg = pullback(as64(q), as64(k), as64(v), [as64(gates[n]) for n in names], as64(d_out))
         return {"q": np.asarray(dq), "k": np.asarray(dk), "v": np.asarray(dv), **{f"g_{n}": np.asarray(g) for n, g in zip(names, dg)}}

@@ -1,8 +1,8 @@
 """JAX transformations of nsa_dsl's attention beyond jit and grad (every backend's tests check
 first-order reverse mode against the float64 reference): vmap over a leading axis and jax.checkpoint
 give what the plain calls give; the Triton and Pallas kernels refuse to be differentiated twice with
-one clear error (nsa_dsl.runtime.derivatives); XLA's forward over reverse (jax.hessian) matches the
-float64 reference's."""
+one clear error (nsa_dsl.runtime.derivatives); XLA's forward over reverse (jax.hessian) and reverse
+over reverse (grad of grad) match the float64 reference's."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import reference
 from conftest import assert_close, qkv
-from nsa_reference import small_example
+from nsa_reference import dense_nsa_output, small_example
 
 import nsa_dsl
 
@@ -72,6 +72,51 @@ def test_xla_forward_over_reverse_matches_the_reference(rng):
 
         expected = np.asarray(jax.hessian(reference_loss)(q64[0, row, 0]))
     assert_close(np.asarray(hessian), expected, 1e-3, "hessian")
+
+
+@pytest.mark.parametrize("pattern", ["window", "nsa"])
+def test_xla_reverse_over_reverse_matches_the_reference(rng, pattern):
+    """grad of grad, as a gradient penalty takes it (the squared norm of a loss's gradient in q, k
+    and v, differentiated again in q, k, v and the gates), through XLA's forward and backward
+    against the dense float64 reference's, at odd T, GQA 2 and head dim 12. The NSA pattern's
+    top-k is piecewise constant, so the reference takes the kernel's selection as fixed."""
+    batch, seq_len, heads_q, heads_kv, dim = 1, 45, 4, 2, 12
+    text, spec = (WINDOW, None) if pattern == "window" else small_example("nsa")
+    attention = nsa_dsl.compile(text)
+    q, k, v = qkv(rng, batch, seq_len, heads_q, heads_kv, dim)
+    names = [g.name.removeprefix("g_") for g in attention.plan.gates]
+    gates = [rng.uniform(0.25, 1.5, (batch, seq_len, heads_q)).astype(np.float32) for _ in names]
+    weights = rng.standard_normal((batch, seq_len, heads_q, dim)).astype(np.float32)
+
+    def penalty(output):
+        def loss(q, k, v, gates):
+            return (output(q, k, v, gates) * weights).sum()
+
+        def squared_gradient(q, k, v, gates):
+            return sum((d**2).sum() for d in jax.grad(loss, argnums=(0, 1, 2))(q, k, v, gates))
+
+        return jax.jit(jax.grad(squared_gradient, argnums=(0, 1, 2, 3)))
+
+    def ours(q, k, v, gates):
+        return attention(q, k, v, platform="xla", **{f"g_{n}": g for n, g in zip(names, gates)})
+
+    got = penalty(ours)(*map(jnp.asarray, (q, k, v)), [jnp.asarray(g) for g in gates])
+    if spec is None:
+        mask = reference.static_mask(attention.plan.branches[0].static, 16, True, batch, seq_len)
+
+        def dense(q, k, v, gates):
+            return reference.attention(q, k, v, mask, dim**-0.5, xp=jnp)
+    else:
+        chosen = np.asarray(next(iter(attention.selections(q, k, v, platform="xla").values())))
+        dense = dense_nsa_output(spec, names, chosen, batch, seq_len, scale=dim**-0.5)
+    with jax.enable_x64(True):
+        as64 = lambda x: jnp.asarray(x, jnp.float64)  # noqa: E731
+        expected = penalty(dense)(as64(q), as64(k), as64(v), [as64(g) for g in gates])
+        expected = jax.tree.map(np.asarray, expected)
+    for what, actual, wanted in zip(("q", "k", "v"), got[:3], expected[:3]):
+        assert_close(np.asarray(actual), wanted, 1e-4, f"d/d{what} of the squared gradient")
+    for name, actual, wanted in zip(names, got[3], expected[3]):
+        assert_close(np.asarray(actual), wanted, 1e-4, f"d/dg_{name} of the squared gradient")
 
 
 @pytest.mark.parametrize("platform", ["xla", "triton", "pallas"])

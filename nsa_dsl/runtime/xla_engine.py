@@ -278,8 +278,12 @@ def _steps(sched, step, carry, work):
     sched.steps, or as many as its busiest item's STEPS; one step runs inline."""
     if sched.steps == 1:
         return step(carry, 0)
-    count = jnp.minimum(jnp.max(work[STEPS]), sched.steps) if STEPS in work else sched.steps
-    return lax.fori_loop(0, count, lambda index, c: step(c, index), carry)
+    if STEPS not in work:
+        return lax.fori_loop(0, sched.steps, lambda index, c: step(c, index), carry)
+    count = jnp.minimum(jnp.max(work[STEPS]), sched.steps)
+    return lax.fori_loop(
+        0, sched.steps, lambda index, c: lax.cond(index < count, lambda c: step(c, index), lambda c: c, c), carry
+    )
 
 
 def _chunk_forward(sched, q, keys_t, values, work):
