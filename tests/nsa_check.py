@@ -17,7 +17,7 @@ from conftest import (
     normal,
     qkv,
 )
-from nsa_reference import chosen_scores, nsa_gradients, nsa_reference
+from nsa_reference import NsaSpec, chosen_scores, nsa_gradients, nsa_reference
 
 import nsa_dsl
 
@@ -103,3 +103,52 @@ def check_against_reference(rng, source, spec, *, batch, seq_len, heads_q, heads
     if learned:
         numeric = [(loss(w + step * e, scale) - loss(w - step * e, scale)) / (2 * step) for e in np.eye(len(w))]
         assert_close(d_weights, np.array(numeric), gradient_tolerance, "d pooling weights")
+
+
+def rising_keys(rng, batch, seq_len, heads_q, heads_kv, head_dim, rise):
+    """Fresh q, k, v (float32) whose scores rise along the sequence: every query leans on one
+    random direction u and key row t adds (t / seq_len) times a multiple of u, so that a query's
+    scores against the compressed keys climb by about `rise` (natural log units) from the first
+    to the last key of the sequence. An online softmax over compressed keys in several steps then
+    finds a new maximum at almost every step, and a step that skipped rescaling what it had summed
+    (or counted a key its row does not see yet, which scores higher still) shows."""
+    q, k, v = qkv(rng, batch, seq_len, heads_q, heads_kv, head_dim)
+    u = rng.standard_normal(head_dim)
+    u /= np.linalg.norm(u)
+    lean = 3.0
+    climb = rise * np.sqrt(head_dim) / lean * (np.arange(seq_len) / seq_len)
+    q = (q + lean * u).astype(np.float32)
+    k = (k + climb[None, :, None, None] * u).astype(np.float32)
+    return q, k, v
+
+
+def check_compression_against_reference(rng, *, block, stride, batch, seq_len, heads_q, heads_kv, head_dim,
+                                        cu_seqlens=None, platform="triton", config=None, rise=8.0):
+    """A pattern of one compression branch, compress(block, stride) gated by g_cmp, on `platform`:
+    its output (differentiated and not) and the gradients of q, k, v and g_cmp against the float64
+    dense reference (nsa_reference: its o_cmp, and nsa_gradients' dense pooling and visibility),
+    on rising_keys inputs. Returns nothing; fails on the first quantity out of tolerance."""
+    forward_tolerance, gradient_tolerance, _ = TOLERANCE[np.float32]
+    source = f"pattern p\nblock 16\ncausal\nbranch cmp = compress(block={block}, stride={stride}) gate g_cmp\n"
+    attn = nsa_dsl.compile(source, config=config)
+    q, k, v = rising_keys(rng, batch, seq_len, heads_q, heads_kv, head_dim, rise)
+    g_cmp = gate(rng, batch, seq_len, heads_q)
+    cu = None if cu_seqlens is None else np.asarray(cu_seqlens, dtype=np.int32)
+    spec = NsaSpec(compress_block=block, compress_stride=stride, select_count=1, select_block=16)
+
+    attention = jax.jit(lambda q, k, v, g: attn(q, k, v, g_cmp=g, cu_seqlens=cu, platform=platform))
+    expected, _, _, _ = nsa_reference(q, k, v, spec, gates={"cmp": g_cmp}, cu_seqlens=cu)
+    undifferentiated = attention(q, k, v, g_cmp)
+    assert undifferentiated.shape == q.shape and undifferentiated.dtype == q.dtype
+    assert_close(undifferentiated, expected, forward_tolerance, "output, not differentiated")
+    out, pullback = jax.vjp(attention, q, k, v, g_cmp)
+    assert_close(out, expected, forward_tolerance, "output")
+
+    d_out = normal(rng, *q.shape)
+    dq, dk, dv, dg = pullback(jnp.asarray(d_out))
+    no_selection = np.full((batch, seq_len, heads_kv, 1), -1)
+    wanted = nsa_gradients(q, k, v, spec, {"cmp": g_cmp}, no_selection, d_out, cu_seqlens=cu)
+    floor = gradient_floor(wanted["q"], wanted["k"], wanted["v"])
+    for name, actual in (("q", dq), ("k", dk), ("v", dv), ("g_cmp", dg)):
+        assert actual.dtype == q.dtype
+        assert_close(actual, wanted[name], gradient_tolerance, f"d{name}", least=floor)

@@ -24,8 +24,13 @@ from conftest import (
     normal,
     qkv,
     record_calls,
+    triton_launches,
 )
-from nsa_check import TOLERANCE, check_against_reference
+from nsa_check import (
+    TOLERANCE,
+    check_against_reference,
+    check_compression_against_reference,
+)
 from nsa_reference import (
     NsaSpec,
     chosen_scores,
@@ -102,6 +107,32 @@ def test_topk_merges_chunks_of_candidate_blocks(rng, compress_block, compress_st
     check_against_reference(rng, source, spec, batch=1, seq_len=seq_len, heads_q=heads_q, heads_kv=1, head_dim=16,
                             cu_seqlens=cu_seqlens, gates=("cmp", "slc"),
                             config=nsa_dsl.NativeSparseAttentionConfig(block_size=16, block_k=16), gradients=False)
+
+
+@pytest.mark.parametrize(
+    "block, stride, batch, seq_len, heads_q, heads_kv, head_dim, cu_seqlens, spans",
+    [
+        # 100 keys: forward steps of 32 (the last of 4), a last token past every key's end; dk/dv in 3 spans of 68 rows
+        (4, 2, 1, 203, 6, 2, 20, None, 3),
+        # two batch rows of 71 keys (a tile walks both), l = 4d; 298 rows: 4 spans of 75
+        (8, 2, 2, 149, 4, 1, 36, None, 4),
+        # packed sequences of 45 and 145 tokens (36 keys), rows past 190 in none; group 3, l = d
+        (4, 4, 1, 211, 3, 1, 24, [0, 45, 190], 3),
+    ],
+)
+def test_compression_attention_over_several_key_steps_and_query_spans(monkeypatch, rng, block, stride, batch, seq_len,
+                                                                      heads_q, heads_kv, head_dim, cu_seqlens, spans):
+    """The compression branch alone (compression_forward, its dq and dk/dv), output and gradients
+    against the float64 dense reference on inputs whose scores rise along the sequence (each step
+    of a query's walk over the compressed keys finds a new maximum: the online softmax must rescale
+    what it summed), lengths no multiple of the stride (a last, partial step of keys, rows masked
+    in it), and enough query rows that the dk/dv kernel sums each key tile's gradients over
+    several spans of query rows (the grid's third axis, checked), as a long sequence does."""
+    launches = triton_launches(monkeypatch, lambda: check_compression_against_reference(
+        rng, block=block, stride=stride, batch=batch, seq_len=seq_len, heads_q=heads_q, heads_kv=heads_kv,
+        head_dim=head_dim, cu_seqlens=cu_seqlens))
+    dkdv = [grid for name, grid in launches if name == "compression_backward_dkdv"]
+    assert dkdv and all(grid[2] == spans for grid in dkdv), launches
 
 
 def test_selection_per_block_of_queries_in_float16(rng):
