@@ -19,8 +19,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import FORWARD_TOLERANCE, GRADIENT_TOLERANCE, assert_close, gate, lower_for_cuda, normal, qkv
-from nsa_check import check_against_reference
+from conftest import (
+    FORWARD_TOLERANCE,
+    GRADIENT_TOLERANCE,
+    assert_close,
+    gate,
+    lower_for_cuda,
+    normal,
+    qkv,
+)
+from nsa_check import check_against_reference, check_compression_against_reference
 from nsa_reference import PAPER, NsaSpec, chosen_scores, nsa_gradients, nsa_reference
 
 import nsa_dsl
@@ -276,6 +284,29 @@ def test_kernels_lower_to_triton_for_a_gpu(rng, monkeypatch, dtype):
 # ---- the TPU (Mosaic) variant: pallas/tpu_nsa.py.j2 --------------------------------------------
 
 TPU = nsa_dsl.NativeSparseAttentionConfig(backend="tpu")
+
+
+@pytest.mark.parametrize("config", [None, TPU], ids=["gpu variant", "tpu variant"])
+@pytest.mark.parametrize(
+    "block, stride, batch, seq_len, heads_q, heads_kv, head_dim, cu_seqlens",
+    [
+        # 100 keys: 4 steps of 32 (GPU, float32; the last of 4), 2 tiles of 64 (TPU); a last token past every key
+        (4, 2, 1, 203, 6, 2, 20, None),
+        (8, 2, 2, 149, 4, 1, 36, None),  # two batch rows of 71 keys, l = 4d: 3 steps (GPU), 2 tiles (TPU)
+        (4, 4, 1, 211, 3, 1, 24, [0, 45, 190]),  # packed, 45 and 145 tokens, rows past 190 in none; group 3, l = d
+    ],
+)
+def test_compression_attention_over_several_key_steps_and_query_tiles(rng, config, block, stride, batch, seq_len,
+                                                                     heads_q, heads_kv, head_dim, cu_seqlens):
+    """The compression branch alone (compressed_forward, its dq and dk/dv) of both variants, output
+    and gradients against the float64 dense reference on inputs whose scores rise along the
+    sequence (each step of a query tile's walk over the compressed keys finds a new maximum: the
+    online softmax must rescale what it summed), lengths no multiple of the stride (a last,
+    partial step of keys, rows masked in it), and sequences of up to 13 query tiles of 16 rows,
+    whose gradients each compressed tile's dk/dv program sums tile after tile."""
+    check_compression_against_reference(rng, block=block, stride=stride, batch=batch, seq_len=seq_len,
+                                        heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, cu_seqlens=cu_seqlens,
+                                        platform="pallas", config=config)
 
 
 @pytest.mark.parametrize("config", [None, TPU], ids=["gpu variant", "tpu variant"])
