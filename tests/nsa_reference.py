@@ -203,8 +203,8 @@ def dense_nsa_output(spec: NsaSpec, names, chosen, batch: int, total: int, *, sc
     in that order) for a fixed selection `chosen` [B, T, HKV, n] (selection is not differentiated),
     through dense formulations; call it under jax.enable_x64 with float64 arrays."""
     import jax.numpy as jnp
-
     import reference
+
     from nsa_dsl.dsl import model
 
     pool, cmp_visible = dense_operators(spec, batch, total, cu_seqlens)
@@ -237,7 +237,7 @@ def nsa_gradients(q, k, v, spec: NsaSpec, gates: dict[str, np.ndarray | None], c
     output = dense_nsa_output(spec, names, chosen, batch, total, scale=dim**-0.5 if scale is None else scale,
                               cu_seqlens=cu_seqlens)
     with jax.enable_x64(True):
-        as64 = lambda x: jnp.asarray(np.asarray(x, dtype=np.float64))  # noqa: E731
+        as64 = lambda x: jnp.asarray(np.asarray(x, dtype=np.float64))
         pullback = jax.jit(lambda q, k, v, g, d: jax.vjp(output, q, k, v, g)[1](d))
         dq, dk, dv, dg = pullback(as64(q), as64(k), as64(v), [as64(gates[n]) for n in names], as64(d_out))
         return {"q": np.asarray(dq), "k": np.asarray(dk), "v": np.asarray(dv), **{f"g_{n}": np.asarray(g) for n, g in zip(names, dg)}}

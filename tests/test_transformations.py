@@ -110,7 +110,7 @@ def test_xla_reverse_over_reverse_matches_the_reference(rng, pattern):
         chosen = np.asarray(next(iter(attention.selections(q, k, v, platform="xla").values())))
         dense = dense_nsa_output(spec, names, chosen, batch, seq_len, scale=dim**-0.5)
     with jax.enable_x64(True):
-        as64 = lambda x: jnp.asarray(x, jnp.float64)  # noqa: E731
+        as64 = lambda x: jnp.asarray(x, jnp.float64)
         expected = penalty(dense)(as64(q), as64(k), as64(v), [as64(g) for g in gates])
         expected = jax.tree.map(np.asarray, expected)
     for what, actual, wanted in zip(("q", "k", "v"), got[:3], expected[:3]):
