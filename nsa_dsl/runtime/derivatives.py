@@ -44,7 +44,7 @@ def _undifferentiable(platform: str, rule: Callable) -> Callable:
             raise SecondDerivativeError(
                 f"the {platform} kernels of nsa_dsl have first derivatives in reverse mode only (jax.grad, "
                 f"jax.vjp): their custom_vjp rules cannot be differentiated again (grad of grad, jax.hessian); "
-                f"platform='xla' computes forward over reverse (jax.hessian, jax.jacfwd of jax.grad)"
+                f"platform='xla' computes them (jax.hessian, grad of grad)"
             )
 
         return call(*[leaf for leaf, a in zip(leaves, is_array) if a])
