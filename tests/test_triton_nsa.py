@@ -9,6 +9,7 @@ at a time in Python: shapes are tiny."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
 
 import jax
@@ -42,7 +43,7 @@ from nsa_reference import (
 
 import nsa_dsl
 from nsa_dsl import codegen
-from nsa_dsl.runtime import layout, triton_glue
+from nsa_dsl.runtime import dispatch, layout, triton_glue
 from nsa_dsl.runtime.platform import for_device
 
 triton_glue.prepare_kernels()  # before triton's import: without a GPU, its interpreter
@@ -82,21 +83,60 @@ def test_packed_sequences_with_learned_pooling(rng):
 FORCE_FIRST, FORCE_OWN = ("global(first=1)", lambda qb, kb: kb < 1), ("local(1)", lambda qb, kb: kb == qb)
 
 
+@pytest.fixture
+def split_topk(monkeypatch):
+    """split_topk(module, splits): the module's top-k (topk_blocks) splits each tile's walk over
+    blocks into `splits` shares (at most one a chunk; key_splits' own choice needs few programs
+    and >= 4 chunks a share: a decoding step's), merged by topk_merge, as a decoding step's split
+    does; other launches keep key_splits' choice. Returns the list of the top-k's splits, one
+    entry per trace."""
+    taken = []
+
+    def split(module, splits):
+        key_splits = module.key_splits
+
+        def splitting(programs, steps, min_steps):
+            if sys._getframe(1).f_code.co_name != "topk_blocks":
+                return key_splits(programs, steps, min_steps)
+            taken.append(min(splits, steps))
+            return taken[-1]
+
+        monkeypatch.setattr(module, "key_splits", splitting)
+        dispatch.kernel.cache_clear()  # no trace of the unsplit top-k may serve
+        jax.clear_caches()
+        return taken
+
+    yield split
+    dispatch.kernel.cache_clear()  # nor may a later test reuse a split one
+    jax.clear_caches()
+
+
 @pytest.mark.parametrize(
-    "compress_block, compress_stride, seq_len, heads_q, cu_seqlens, force",
+    "compress_block, compress_stride, seq_len, heads_q, cu_seqlens, force, head_dim, splits",
     [
         # overlapping keys: 7 blocks a chunk; the second's best interleave with the first's
-        (16, 8, 200, 2, None, FORCE_FIRST),
+        (16, 8, 200, 2, None, FORCE_FIRST, 16, 1),
         # the walk's first chunk, whose first key starts before the sequence, is masked; block 0 is not forced
-        (16, 8, 260, 2, [0, 40, 260], FORCE_OWN),
-        (16, 16, 300, 1, [0, 21, 300], FORCE_FIRST),  # one key per block: 16 blocks a chunk; group 1, packed
+        (16, 8, 260, 2, [0, 40, 260], FORCE_OWN, 16, 1),
+        (16, 16, 300, 1, [0, 21, 300], FORCE_FIRST, 16, 1),  # one key per block: 16 blocks a chunk; group 1, packed
+        # Split top-k (split_topk), GQA 3, head dim 20: 19 blocks of 7-block chunks in 3 shares of
+        # 7, 7 and 5 blocks (a tile's walk up to its last group's block: later shares short or
+        # empty, fewer candidates than picks); the forced block in the first share.
+        (16, 8, 301, 3, None, FORCE_FIRST, 20, 3),
+        # 21 blocks in 2 shares of two chunks (14 blocks) and one; each row's own block forced,
+        # in whichever share holds it.
+        (16, 8, 333, 2, None, FORCE_OWN, 20, 2),
+        # One key per block, packed: the second sequence's 18 blocks in shares of 16 and 2 (fewer
+        # than the 3 picks), the first sequence's rows in the first share only.
+        (16, 16, 333, 2, [0, 45, 333], FORCE_OWN, 24, 2),
     ],
 )
-def test_topk_merges_chunks_of_candidate_blocks(rng, compress_block, compress_stride, seq_len, heads_q, cu_seqlens,
-                                                force):
+def test_topk_merges_chunks_of_candidate_blocks(request, rng, compress_block, compress_stride, seq_len, heads_q,
+                                                cu_seqlens, force, head_dim, splits):
     """block_k=16 makes the top-k walk a long sequence's blocks in several chunks, each merged into
-    the running best; chunks that every row of a tile sees whole are ranked unmasked. Selections and
-    output (the other tests differentiate shorter sequences)."""
+    the running best; chunks that every row of a tile sees whole are ranked unmasked. With splits >
+    1 the walk splits into shares (split_topk), whose keys topk_merge merges, as a decoding step's
+    do. Selections and output (the other tests differentiate shorter sequences)."""
     source = (
         "pattern p\nblock 16\n"
         f"branch cmp = compress(block={compress_block}, stride={compress_stride}) gate g_cmp\n"
@@ -104,9 +144,16 @@ def test_topk_merges_chunks_of_candidate_blocks(rng, compress_block, compress_st
     )
     spec = NsaSpec(compress_block=compress_block, compress_stride=compress_stride, select_count=3, select_block=16,
                    forced=force[1])
-    check_against_reference(rng, source, spec, batch=1, seq_len=seq_len, heads_q=heads_q, heads_kv=1, head_dim=16,
-                            cu_seqlens=cu_seqlens, gates=("cmp", "slc"),
-                            config=nsa_dsl.NativeSparseAttentionConfig(block_size=16, block_k=16), gradients=False)
+    config = nsa_dsl.NativeSparseAttentionConfig(block_size=16, block_k=16)
+    if splits > 1:
+        attn = nsa_dsl.compile(source, config=config)
+        taken = request.getfixturevalue("split_topk")(codegen.load_module("triton", attn.plan, for_device(attn.config)),
+                                                      splits)
+    check_against_reference(rng, source, spec, batch=1, seq_len=seq_len, heads_q=heads_q, heads_kv=1,
+                            head_dim=head_dim, cu_seqlens=cu_seqlens, gates=("cmp", "slc"), config=config,
+                            gradients=False)
+    if splits > 1:
+        assert taken and set(taken) == {splits}, f"the top-k took {taken} splits"
 
 
 @pytest.mark.parametrize(
@@ -732,18 +779,26 @@ def ranked_in_numpy(mass, seq_len, block, count):
     return chosen
 
 
-@pytest.mark.parametrize("kind", ["independent", "drifting", "best run", "tied"])
-def test_topk_shortlists_rank_a_given_mass(rng, monkeypatch, kind):
+@pytest.mark.parametrize("kind, splits", [
+    ("independent", 1), ("drifting", 1), ("best run", 1), ("tied", 1),
+    # Split walks (split_topk) of 336 tokens: 21 blocks in shares of 16 and 5 (a row before block 19:
+    # fewer candidates in the second than picks), merged; ties across shares go to the lower id, as
+    # within one; a row's run of best blocks in one share, or across both.
+    ("tied", 2), ("best run", 2),
+])
+def test_topk_shortlists_rank_a_given_mass(request, rng, monkeypatch, kind, splits):
     """topk_selection ranks a given mass (hopper_group_mass's, which CI cannot run) from each row's
     shortlist of the candidates at or above its threshold, and a tile whose shortlists overflow (tied
     masses: every candidate reaches the threshold) by its chunk networks; both against numpy, over
     walks of up to three chunks (l = d = l' = 16 and steps of 16 keys: 33 blocks, 16 a chunk), two KV
     heads, and rows before their 4th block (fewer candidates than picks). The threshold comes from
-    given column maxima, as a mass kernel of 32-key steps would write them (two 16-key halves)."""
+    given column maxima, as a mass kernel of 32-key steps would write them (two 16-key halves). With
+    splits > 1 each tile's walk splits into shares (split_topk), each ranked against the whole row's
+    threshold, and topk_merge merges their keys: the ids must match exactly, ties included."""
     config = nsa_dsl.NativeSparseAttentionConfig(block_k=16)
     attn = nsa_dsl.compile(COMPRESSION_ONLY.format(64, 64) + TOPK, config=config)
     module = codegen.load_module("triton", attn.plan, for_device(attn.config))
-    seq_len, heads_kv, group, head_dim, block, count = 520, 2, 2, 16, 16, 4
+    seq_len, heads_kv, group, head_dim, block, count = 520 if splits == 1 else 336, 2, 2, 16, 16, 4
     spec = module.TopK(count, block, 1, module.Compression(block, block, heads_kv, group, head_dim, 0, seq_len))
     tokens = module.hopper_mass_tokens(spec)
     shape = (heads_kv, -(-seq_len // tokens) * tokens, mass_width(spec.compression))
@@ -753,7 +808,7 @@ def test_topk_shortlists_rank_a_given_mass(rng, monkeypatch, kind):
         mass = np.exp(np.cumsum(rng.standard_normal(shape) * 0.5, axis=-1) - 20.0)
     elif kind == "best run":  # each row's best blocks in a run longer than its picks
         mass = rng.random(shape) * 0.1
-        run = rng.integers(0, 40, shape[:2])[..., None] + np.arange(count + 2)
+        run = rng.integers(0, 40 if splits == 1 else 20, shape[:2])[..., None] + np.arange(count + 2)
         np.put_along_axis(mass, run, 1.0 + rng.random((*shape[:2], count + 2)), axis=2)
     else:
         mass = rng.choice(np.array([0.25, 0.5, 1.0], np.float32), shape)
@@ -771,6 +826,8 @@ def test_topk_shortlists_rank_a_given_mass(rng, monkeypatch, kind):
         return launch(kernel, *args, **constants)
 
     monkeypatch.setattr(triton_glue, "launch", recording_launch)
+    if splits > 1:
+        taken = request.getfixturevalue("split_topk")(module, splits)
 
     blocks = -(-seq_len // block)
     keys_cmp = compressed_count(spec.compression)
@@ -784,7 +841,9 @@ def test_topk_shortlists_rank_a_given_mass(rng, monkeypatch, kind):
                                 jnp.asarray([0, seq_len], jnp.int32), own_block, seq_len, seq_len,
                                 layout.QueryRows.shard(0, seq_len, 1))
 
-    assert columns_given == [True], "the ranking did not take the given maxima"
+    assert columns_given == [True] + [None] * (splits > 1), "the ranking did not take the given maxima"
+    if splits > 1:
+        assert taken == [splits], f"the top-k took {taken} splits"
     want = ranked_in_numpy(mass, seq_len, block, count)
     got = np.asarray(chosen)
     bad = [tuple(row) for row in np.argwhere((got != want).any(-1))]
