@@ -4,8 +4,8 @@ the float64 reference written from the paper's equations (tests/nsa_reference.py
 (by the reference's scores of the chosen blocks, so exact ties may differ), outputs, and the
 gradients of q, k, v, every gate, the softmax scale and learned pooling weights; both NSA
 examples, odd lengths, GQA groups 1/2/3/4/16, head dims 20/32/60/100, packed sequences,
-`per block(Q)` selection, forced blocks, float32 and float16. The interpreter runs one program
-at a time in Python: shapes are tiny."""
+`per block(Q)` selection, forced blocks, a top-k split into shares, float32 and float16. The
+interpreter runs one program at a time in Python: shapes are tiny."""
 
 from __future__ import annotations
 
@@ -86,10 +86,10 @@ FORCE_FIRST, FORCE_OWN = ("global(first=1)", lambda qb, kb: kb < 1), ("local(1)"
 @pytest.fixture
 def split_topk(monkeypatch):
     """split_topk(module, splits): the module's top-k (topk_blocks) splits each tile's walk over
-    blocks into `splits` shares (at most one a chunk; key_splits' own choice needs few programs
-    and >= 4 chunks a share: a decoding step's), merged by topk_merge, as a decoding step's split
-    does; other launches keep key_splits' choice. Returns the list of the top-k's splits, one
-    entry per trace."""
+    blocks into `splits` shares (no more than the walk has chunks; key_splits' own choice needs
+    fewer than SPLIT_PROGRAMS programs and MIN_SPLIT_STEPS = 4 chunks a share: a decoding step's),
+    merged by topk_merge; other launches keep key_splits' choice. Returns the list of the top-k's
+    splits, one entry per trace."""
     taken = []
 
     def split(module, splits):
