@@ -122,6 +122,11 @@ def rising_keys(rng, batch, seq_len, heads_q, heads_kv, head_dim, rise):
     return q, k, v
 
 
+def compression_source(block, stride):
+    """The pattern check_compression_against_reference compiles: one compression branch, gated by g_cmp."""
+    return f"pattern p\nblock 16\ncausal\nbranch cmp = compress(block={block}, stride={stride}) gate g_cmp\n"
+
+
 def check_compression_against_reference(rng, *, block, stride, batch, seq_len, heads_q, heads_kv, head_dim,
                                         cu_seqlens=None, platform="triton", config=None, rise=8.0):
     """A pattern of one compression branch, compress(block, stride) gated by g_cmp, on `platform`:
@@ -129,8 +134,7 @@ def check_compression_against_reference(rng, *, block, stride, batch, seq_len, h
     dense reference (nsa_reference: its o_cmp, and nsa_gradients' dense pooling and visibility),
     on rising_keys inputs. Returns nothing; fails on the first quantity out of tolerance."""
     forward_tolerance, gradient_tolerance, _ = TOLERANCE[np.float32]
-    source = f"pattern p\nblock 16\ncausal\nbranch cmp = compress(block={block}, stride={stride}) gate g_cmp\n"
-    attn = nsa_dsl.compile(source, config=config)
+    attn = nsa_dsl.compile(compression_source(block, stride), config=config)
     q, k, v = rising_keys(rng, batch, seq_len, heads_q, heads_kv, head_dim, rise)
     g_cmp = gate(rng, batch, seq_len, heads_q)
     cu = None if cu_seqlens is None else np.asarray(cu_seqlens, dtype=np.int32)

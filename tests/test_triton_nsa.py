@@ -31,6 +31,7 @@ from nsa_check import (
     TOLERANCE,
     check_against_reference,
     check_compression_against_reference,
+    compression_source,
 )
 from nsa_reference import (
     NsaSpec,
@@ -83,26 +84,33 @@ def test_packed_sequences_with_learned_pooling(rng):
 FORCE_FIRST, FORCE_OWN = ("global(first=1)", lambda qb, kb: kb < 1), ("local(1)", lambda qb, kb: kb == qb)
 
 
-@pytest.fixture
-def split_topk(monkeypatch):
-    """split_topk(module, splits): the module's top-k (topk_blocks) splits each tile's walk over
-    blocks into `splits` shares (no more than the walk has chunks; key_splits' own choice needs
-    fewer than SPLIT_PROGRAMS programs and MIN_SPLIT_STEPS = 4 chunks a share: a decoding step's),
-    merged by topk_merge; other launches keep key_splits' choice. Returns the list of the top-k's
-    splits, one entry per trace."""
-    taken = []
+# The functions of a generated module whose launch split_walks can split.
+SPLIT_CALLERS = ("topk_blocks", "_compression_forward")
 
-    def split(module, splits):
+
+@pytest.fixture
+def split_walks(monkeypatch):
+    """split_walks(module, splits, caller): the launch that the module's function `caller` makes
+    (topk_blocks: the top-k, its shares' keys merged by topk_merge; _compression_forward: the
+    compression's forward, its shares' out and lse merged by merge_splits) splits each tile's walk
+    over keys into `splits` shares (no more than the walk has steps; key_splits' own choice needs
+    fewer than SPLIT_PROGRAMS programs and MIN_SPLIT_STEPS = 4 steps a share: a decoding step's);
+    other launches keep key_splits' choice (a second call, for the other caller, splits both).
+    Returns the list of that launch's splits, one entry per trace."""
+
+    def split(module, splits, caller):
+        assert caller in SPLIT_CALLERS, caller
+        taken = []
         key_splits = module.key_splits
 
         def splitting(programs, steps, min_steps):
-            if sys._getframe(1).f_code.co_name != "topk_blocks":
+            if sys._getframe(1).f_code.co_name != caller:
                 return key_splits(programs, steps, min_steps)
             taken.append(min(splits, steps))
             return taken[-1]
 
         monkeypatch.setattr(module, "key_splits", splitting)
-        dispatch.kernel.cache_clear()  # no trace of the unsplit top-k may serve
+        dispatch.kernel.cache_clear()  # no trace of the unsplit launch may serve
         jax.clear_caches()
         return taken
 
@@ -119,7 +127,7 @@ def split_topk(monkeypatch):
         # the walk's first chunk, whose first key starts before the sequence, is masked; block 0 is not forced
         (16, 8, 260, 2, [0, 40, 260], FORCE_OWN, 16, 1),
         (16, 16, 300, 1, [0, 21, 300], FORCE_FIRST, 16, 1),  # one key per block: 16 blocks a chunk; group 1, packed
-        # Split top-k (split_topk), GQA 3, head dim 20: 19 blocks of 7-block chunks in 3 shares of
+        # Split top-k (split_walks), GQA 3, head dim 20: 19 blocks of 7-block chunks in 3 shares of
         # 7, 7 and 5 blocks (a tile's walk up to its last group's block: later shares short or
         # empty, fewer candidates than picks); the forced block in the first share.
         (16, 8, 301, 3, None, FORCE_FIRST, 20, 3),
@@ -135,7 +143,7 @@ def test_topk_merges_chunks_of_candidate_blocks(request, rng, compress_block, co
                                                 cu_seqlens, force, head_dim, splits):
     """block_k=16 makes the top-k walk a long sequence's blocks in several chunks, each merged into
     the running best; chunks that every row of a tile sees whole are ranked unmasked. With splits >
-    1 the walk splits into shares (split_topk), whose keys topk_merge merges, as a decoding step's
+    1 the walk splits into shares (split_walks), whose keys topk_merge merges, as a decoding step's
     do. Selections and output (the other tests differentiate shorter sequences)."""
     source = (
         "pattern p\nblock 16\n"
@@ -147,8 +155,8 @@ def test_topk_merges_chunks_of_candidate_blocks(request, rng, compress_block, co
     config = nsa_dsl.NativeSparseAttentionConfig(block_size=16, block_k=16)
     if splits > 1:
         attn = nsa_dsl.compile(source, config=config)
-        taken = request.getfixturevalue("split_topk")(codegen.load_module("triton", attn.plan, for_device(attn.config)),
-                                                      splits)
+        module = codegen.load_module("triton", attn.plan, for_device(attn.config))
+        taken = request.getfixturevalue("split_walks")(module, splits, "topk_blocks")
     check_against_reference(rng, source, spec, batch=1, seq_len=seq_len, heads_q=heads_q, heads_kv=1,
                             head_dim=head_dim, cu_seqlens=cu_seqlens, gates=("cmp", "slc"), config=config,
                             gradients=False)
@@ -157,29 +165,56 @@ def test_topk_merges_chunks_of_candidate_blocks(request, rng, compress_block, co
 
 
 @pytest.mark.parametrize(
-    "block, stride, batch, seq_len, heads_q, heads_kv, head_dim, cu_seqlens, spans",
+    "block, stride, batch, seq_len, heads_q, heads_kv, head_dim, cu_seqlens, spans, splits",
     [
         # 100 keys: forward steps of 32 (the last of 4), a last token past every key's end; dk/dv in 3 spans of 68 rows
-        (4, 2, 1, 203, 6, 2, 20, None, 3),
+        (4, 2, 1, 203, 6, 2, 20, None, 3, 1),
         # two batch rows of 71 keys (a tile walks both), l = 4d; 298 rows: 4 spans of 75
-        (8, 2, 2, 149, 4, 1, 36, None, 4),
+        (8, 2, 2, 149, 4, 1, 36, None, 4, 1),
         # packed sequences of 45 and 145 tokens (36 keys), rows past 190 in none; group 3, l = d
-        (4, 4, 1, 211, 3, 1, 24, [0, 45, 190], 3),
+        (4, 4, 1, 211, 3, 1, 24, [0, 45, 190], 3, 1),
+        # The forward split (split_walks) into 3 shares, merged by merge_splits; GQA 3 (16-token
+        # tiles). 149 keys in 5 steps of 32: the last tiles' walks in shares of 2, 2 and 1 steps (the
+        # last of 21 keys); walks of 3 steps in shares of one step each (the last partial); walks
+        # of one, two or four steps leave the last shares empty (lse -inf), the first tiles' two.
+        (4, 2, 1, 301, 6, 2, 20, None, 4, 3),
+        # Packed sequences of 37 and 213 tokens (17 and 105 keys), rows past 250 in none, GQA 2,
+        # in 2 shares: the second sequence's last tile walks its 105 keys (4 steps, the last of 9
+        # keys) in shares of 64 and 41; a tile across both sequences walks keys 0-28 in one share,
+        # the second empty; the last tile (rows in no sequence) walks none.
+        (4, 2, 1, 263, 4, 2, 24, [0, 37, 250], 4, 2),
+        # Two batch rows of 71 keys (3 steps, the last of 7), GQA 2, in 2 shares of 2 steps and 1;
+        # the tile across the batch rows walks 73 keys (64 and 9).
+        (8, 2, 2, 149, 4, 2, 16, None, 4, 2),
     ],
 )
-def test_compression_attention_over_several_key_steps_and_query_spans(monkeypatch, rng, block, stride, batch, seq_len,
-                                                                      heads_q, heads_kv, head_dim, cu_seqlens, spans):
+def test_compression_attention_over_several_key_steps_and_query_spans(request, monkeypatch, rng, block, stride, batch,
+                                                                      seq_len, heads_q, heads_kv, head_dim, cu_seqlens,
+                                                                      spans, splits):
     """The compression branch alone (compression_forward, its dq and dk/dv), output and gradients
     against the float64 dense reference on inputs whose scores rise along the sequence (each step
     of a query's walk over the compressed keys finds a new maximum: the online softmax must rescale
     what it summed), lengths no multiple of the stride (a last, partial step of keys, rows masked
     in it), and enough query rows that the dk/dv kernel sums each key tile's gradients over
-    several spans of query rows (the grid's third axis, checked), as a long sequence does."""
+    several spans of query rows (the grid's third axis, checked), as a long sequence does. With
+    splits > 1 the forward splits each tile's walk into shares (split_walks, the grid's third
+    axis, checked) as a decoding step's does, whose out and lse merge_splits merges: the merged
+    lse also feeds the backward, which does not split."""
+    if splits > 1:
+        attn = nsa_dsl.compile(compression_source(block, stride))
+        module = codegen.load_module("triton", attn.plan, for_device(attn.config))
+        taken = request.getfixturevalue("split_walks")(module, splits, "_compression_forward")
+        merged = record_calls(monkeypatch, module, "merge_splits")
     launches = triton_launches(monkeypatch, lambda: check_compression_against_reference(
         rng, block=block, stride=stride, batch=batch, seq_len=seq_len, heads_q=heads_q, heads_kv=heads_kv,
         head_dim=head_dim, cu_seqlens=cu_seqlens))
     dkdv = [grid for name, grid in launches if name == "compression_backward_dkdv"]
     assert dkdv and all(grid[2] == spans for grid in dkdv), launches
+    forward = [grid for name, grid in launches if name == "compression_forward"]
+    assert forward and all(grid[2] == splits for grid in forward), launches
+    if splits > 1:
+        assert taken and set(taken) == {splits}, f"the compression forward took {taken} splits"
+        assert len(merged) == len(forward), f"{len(forward)} split forwards, {len(merged)} merges"
 
 
 def test_selection_per_block_of_queries_in_float16(rng):
@@ -781,7 +816,7 @@ def ranked_in_numpy(mass, seq_len, block, count):
 
 @pytest.mark.parametrize("kind, splits", [
     ("independent", 1), ("drifting", 1), ("best run", 1), ("tied", 1),
-    # Split walks (split_topk) of 336 tokens: 21 blocks in shares of 16 and 5 (a row before block 19:
+    # Split top-k walks (split_walks) of 336 tokens: 21 blocks in shares of 16 and 5 (a row before block 19:
     # fewer candidates in the second than picks), merged; ties across shares go to the lower id, as
     # within one; a row's run of best blocks in one share, or across both.
     ("tied", 2), ("best run", 2),
@@ -793,7 +828,7 @@ def test_topk_shortlists_rank_a_given_mass(request, rng, monkeypatch, kind, spli
     walks of up to three chunks (l = d = l' = 16 and steps of 16 keys: 33 blocks, 16 a chunk), two KV
     heads, and rows before their 4th block (fewer candidates than picks). The threshold comes from
     given column maxima, as a mass kernel of 32-key steps would write them (two 16-key halves). With
-    splits > 1 each tile's walk splits into shares (split_topk), each ranked against the whole row's
+    splits > 1 each tile's walk splits into shares (split_walks), each ranked against the whole row's
     threshold, and topk_merge merges their keys: the ids must match exactly, ties included."""
     config = nsa_dsl.NativeSparseAttentionConfig(block_k=16)
     attn = nsa_dsl.compile(COMPRESSION_ONLY.format(64, 64) + TOPK, config=config)
@@ -827,7 +862,7 @@ def test_topk_shortlists_rank_a_given_mass(request, rng, monkeypatch, kind, spli
 
     monkeypatch.setattr(triton_glue, "launch", recording_launch)
     if splits > 1:
-        taken = request.getfixturevalue("split_topk")(module, splits)
+        taken = request.getfixturevalue("split_walks")(module, splits, "topk_blocks")
 
     blocks = -(-seq_len // block)
     keys_cmp = compressed_count(spec.compression)
