@@ -282,14 +282,12 @@ def _steps(sched, step, carry, work):
     sched.steps, or as many as its busiest item's STEPS; one step runs inline."""
     if sched.steps == 1:
         return step(carry, 0)
-    if STEPS not in work:
-        return lax.fori_loop(0, sched.steps, lambda index, c: step(c, index), carry)
-    count = jnp.minimum(jnp.max(work[STEPS]), sched.steps)
-    if not sched.transposable:
-        return lax.fori_loop(0, count, lambda index, c: step(c, index), carry)
-    return lax.fori_loop(
-        0, sched.steps, lambda index, c: lax.cond(index < count, lambda c: step(c, index), lambda c: c, c), carry
-    )
+    count = jnp.minimum(jnp.max(work[STEPS]), sched.steps) if STEPS in work else sched.steps
+    if sched.transposable and STEPS in work:  # all steps, those from count on skipped
+        return lax.fori_loop(
+            0, sched.steps, lambda index, c: lax.cond(index < count, lambda c: step(c, index), lambda c: c, c), carry
+        )
+    return lax.fori_loop(0, count, lambda index, c: step(c, index), carry)
 
 
 def _chunk_forward(sched, q, keys_t, values, work):
