@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import reference
-from conftest import assert_close, qkv
+from conftest import assert_close, gate, qkv
 from nsa_reference import dense_nsa_output, small_example
 
 import nsa_dsl
@@ -85,7 +85,7 @@ def test_xla_reverse_over_reverse_matches_the_reference(rng, pattern):
     attention = nsa_dsl.compile(text)
     q, k, v = qkv(rng, batch, seq_len, heads_q, heads_kv, dim)
     names = [g.name.removeprefix("g_") for g in attention.plan.gates]
-    gates = [rng.uniform(0.25, 1.5, (batch, seq_len, heads_q)).astype(np.float32) for _ in names]
+    gates = [gate(rng, batch, seq_len, heads_q) for _ in names]
     weights = rng.standard_normal((batch, seq_len, heads_q, dim)).astype(np.float32)
 
     def penalty(output):
