@@ -467,3 +467,24 @@ def test_bidirectional_nested_set_algebra_on_packed_sequences_float16(rng):
 def test_difference_with_sixteen_query_heads_per_kv_head_four_a_tile(rng):
     attention = compiled([model.Difference(L(4), U(W(5), BL((1,))))], tiles=(64, 16))
     check(rng, attention, *qkv(rng, 1, 35, 16, 1, 16))
+
+
+# ---- head dims the issue names --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("head_dim, heads_q, heads_kv, dtype, cu_seqlens", [
+    (60, 3, 1, np.float32, np.array([0, 11, 50, 70], np.int32)),  # group 3, packed, rows past the last
+    (100, 2, 2, np.float16, None),  # group 1, a batch of two rows
+    (192, 16, 1, np.float32, np.array([0, 29, 71], np.int32)),  # group 16, packed; padded to 256
+])
+def test_head_dims_60_100_192_fused_ranges_and_a_table(rng, head_dim, heads_q, heads_kv, dtype, cu_seqlens):
+    """The head dims the Triton issue names (no power of two: every load, product and store masks the
+    padded columns), on gated range branches fused into one launch beside a table branch: the output
+    and the gradients of q, k, v, the scale and both gates, odd lengths, packed sequences."""
+    gates = [model.Gate("g_swa"), model.Gate("g_sink"), None]
+    attention = compiled([W(21), U(G(1), S(3, 1)), R(1, 5)], gates=gates)
+    assert [launch.fused for launch in static_launches(attention.plan)] == [True, False]
+    batch, seq_len = (2, 41) if cu_seqlens is None else (1, 73)
+    q, k, v = qkv(rng, batch, seq_len, heads_q, heads_kv, head_dim, dtype=dtype)
+    check(rng, attention, q, k, v, gates={name: gate(rng, batch, seq_len, heads_q).astype(dtype)
+                                          for name in ("g_swa", "g_sink")}, cu_seqlens=cu_seqlens)
