@@ -1,7 +1,7 @@
 """The Triton kernels for explicit per-token selection, run in Triton's interpreter on the CPU
 (the same @triton.jit functions jax-triton launches on a GPU), against the float64 reference:
 forward and gradients of q, k, v and the gate, float32 and float16, odd lengths, head dims
-32/60/64/100, GQA groups 1/3/4/16/24, per-token counts, out-of-range and repeated entries,
+32/60/64/100/192, GQA groups 1/3/4/16/24, per-token counts, out-of-range and repeated entries,
 packed sequences (what it shares with Pallas is in test_interpreted_selection.py), and both
 orders of the backward (dq from stored score gradients, all KV heads at once or in slices of
 heads, and dq recomputing them where they would not fit in memory). The interpreter runs one program at a time in Python, so shapes are
@@ -185,13 +185,19 @@ def test_the_score_gradients_memory_share(monkeypatch):
             triton_glue.memory_share("NSA_DSL_STORED_SCORES_SHARE", 0.125)
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float16])
-def test_packed_sequences(rng, dtype):
+@pytest.mark.parametrize("dtype, heads_q, head_dim", [
+    (np.float32, 4, 32),
+    (np.float16, 4, 32),
+    (np.float32, 16, 192),  # group 16, head dim 192 (padded to 256)
+    (np.float16, 1, 100),  # group 1, head dim 100
+    (np.float32, 3, 60),  # group 3, head dim 60
+])
+def test_packed_sequences(rng, dtype, heads_q, head_dim):
     cu_seqlens = np.array([0, 15, 40, 61], dtype=np.int32)  # rows 61..63 belong to no sequence
-    q, k, v = qkv(rng, 1, 64, 4, 1, 32, dtype=dtype)
+    q, k, v = qkv(rng, 1, 64, heads_q, 1, head_dim, dtype=dtype)
     indices = random_indices(rng, 1, 64, 1, 3, 16, cu_seqlens)
     counts = rng.integers(1, 4, (1, 64, 1)).astype(np.int32)
-    g_slc = gate(rng, 1, 64, 4).astype(dtype)
+    g_slc = gate(rng, 1, 64, heads_q).astype(dtype)
     check_forward_and_gradients(rng, q, k, v, g_slc, indices, counts, 16, cu_seqlens)
 
 
