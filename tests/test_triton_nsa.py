@@ -3,7 +3,7 @@ selection, sliding window, gates), its kernels run in Triton's interpreter on th
 the float64 reference written from the paper's equations (tests/nsa_reference.py): selections
 (by the reference's scores of the chosen blocks, so exact ties may differ), outputs, and the
 gradients of q, k, v, every gate, the softmax scale and learned pooling weights; both NSA
-examples, odd lengths, GQA groups 1/2/3/4/16, head dims 20/32/60/100, packed sequences,
+examples, odd lengths, GQA groups 1/2/3/4/16/17/24, head dims 20/32/60/100/192, packed sequences,
 `per block(Q)` selection, forced blocks, a top-k split into shares, float32 and float16. The
 interpreter runs one program at a time in Python: shapes are tiny."""
 
@@ -66,6 +66,26 @@ def test_examples_match_the_paper(rng, example, seq_len, heads_q, heads_kv, head
     gates = ("cmp", "slc", "swa") if example == "nsa" else ("cmp", "slc")
     check_against_reference(rng, source, spec, batch=1, seq_len=seq_len, heads_q=heads_q, heads_kv=heads_kv,
                             head_dim=head_dim, gates=gates)
+
+
+@pytest.mark.parametrize(
+    "example, seq_len, heads_q, heads_kv, head_dim, dtype, cu_seqlens",
+    [
+        # sequences past count + 1 blocks of 16, so that the top-k leaves blocks out
+        ("nsa_meanpool", 90, 16, 1, 192, np.float32, [0, 5, 90]),  # group 16, head dim 192 (padded to 256)
+        ("nsa", 96, 17, 1, 100, np.float16, [0, 7, 92]),  # group 17, head dim 100, rows past the last
+    ],
+)
+def test_examples_on_packed_sequences_at_the_issues_head_dims(rng, example, seq_len, heads_q, heads_kv, head_dim,
+                                                              dtype, cu_seqlens):
+    """Both NSA examples (compression, top-k on device, per-token selection, and the window) on
+    packed sequences of odd lengths, at head dims 192 and 100 (no power of two) and groups of 16 and
+    17: selections, output and the gradients of q, k, v, every gate and the scale, float32 and
+    float16."""
+    source, spec = small_example(example)
+    gates = ("cmp", "slc", "swa") if example == "nsa" else ("cmp", "slc")
+    check_against_reference(rng, source, spec, batch=1, seq_len=seq_len, heads_q=heads_q, heads_kv=heads_kv,
+                            head_dim=head_dim, dtype=dtype, cu_seqlens=cu_seqlens, gates=gates)
 
 
 def test_packed_sequences_with_learned_pooling(rng):
