@@ -476,11 +476,13 @@ def test_difference_with_sixteen_query_heads_per_kv_head_four_a_tile(rng):
     (60, 3, 1, np.float32, np.array([0, 11, 50, 70], np.int32)),  # group 3, packed, rows past the last
     (100, 2, 2, np.float16, None),  # group 1, a batch of two rows
     (192, 16, 1, np.float32, np.array([0, 29, 71], np.int32)),  # group 16, packed; padded to 256
+    (256, 4, 2, np.float16, np.array([0, 40, 73], np.int32)),  # the widest head dim the issue names, unpadded
 ])
-def test_head_dims_60_100_192_fused_ranges_and_a_table(rng, head_dim, heads_q, heads_kv, dtype, cu_seqlens):
-    """The head dims the Triton issue names (no power of two: every load, product and store masks the
-    padded columns), on gated range branches fused into one launch beside a table branch: the output
-    and the gradients of q, k, v, the scale and both gates, odd lengths, packed sequences."""
+def test_head_dims_60_100_192_256_fused_ranges_and_a_table(rng, head_dim, heads_q, heads_kv, dtype, cu_seqlens):
+    """The head dims the Triton issue names (60, 100, 192: no power of two, every load, product and
+    store masks the padded columns; 256, its widest), on gated range branches fused into one launch
+    beside a table branch: the output and the gradients of q, k, v, the scale and both gates, odd
+    lengths, packed sequences."""
     gates = [model.Gate("g_swa"), model.Gate("g_sink"), None]
     attention = compiled([W(21), U(G(1), S(3, 1)), R(1, 5)], gates=gates)
     assert [launch.fused for launch in static_launches(attention.plan)] == [True, False]
