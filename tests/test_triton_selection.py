@@ -201,6 +201,25 @@ def test_packed_sequences(rng, dtype, heads_q, head_dim):
     check_forward_and_gradients(rng, q, k, v, g_slc, indices, counts, 16, cu_seqlens)
 
 
+@pytest.mark.parametrize("heads_q, heads_kv", [(2, 2), (6, 2), (17, 1)])
+def test_one_program_loads_a_kv_groups_query_heads(rng, monkeypatch, heads_q, heads_kv):
+    """Group-centric (the Triton issue): the forward's and dq's programs each take one token's G
+    query heads of one KV head, sharing every K/V tile among them (grid: tokens x KV heads, whatever
+    G: 1, 3, 17), and dk/dv's programs one key block of one KV head; no launch runs a program per
+    query head. Traced, not run."""
+    seq_len, block = 45, 16
+    q, k, v = qkv(rng, 1, seq_len, heads_q, heads_kv, 32)
+    indices = random_indices(rng, 1, seq_len, heads_kv, 3, block)
+
+    def loss(q, k, v):
+        return jnp.sum(selection(q, k, v, None, indices, 3, block) * q)
+
+    launches = dict(triton_launches(monkeypatch, lambda: jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)))
+    for name in ("selection_forward", "selection_backward_dq_from_scores"):
+        assert launches[name][:2] == (seq_len, heads_kv), (name, launches)
+    assert launches["selection_backward_dkdv"] == (-(-seq_len // block), heads_kv), launches
+
+
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="the interpreter's limit: a GPU runs bfloat16")
 def test_bfloat16_needs_a_gpu(rng):
     q, k, v = (x.astype(jnp.bfloat16) for x in qkv(rng, 1, 16, 2, 1, 16))
