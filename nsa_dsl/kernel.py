@@ -336,7 +336,9 @@ def nsa_plan(block_size: int, g_cmp, block_indices, block_counts) -> p.Plan:
         count = _concrete_int(block_counts)
         if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 1:
             raise ValueError(f"block_counts: with g_cmp it is the number of blocks top-k selects, a positive int; got {block_counts!r}")
-        return compressed_selection_plan(block_size, int(count))
+        # Any count past a row's blocks selects them all; the kernels hold counts in int32, where
+        # 2**31 and more would wrap negative, so such counts are the largest int32 (the language's limit).
+        return compressed_selection_plan(block_size, min(int(count), np.iinfo(np.int32).max))
     if block_indices is None:
         raise ValueError("block_indices is required when g_cmp is None: pass [B, T, HKV, S] key-block ids")
     return selection_plan(block_size)

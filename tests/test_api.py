@@ -390,6 +390,20 @@ def test_a_count_past_every_rows_blocks_takes_them_all(rng, platform):
 
 
 
+@pytest.mark.parametrize("platform", ["xla", "pallas", "triton"])
+def test_a_top_k_count_past_int32_takes_every_block(rng, platform):
+    """native_sparse_attention(g_cmp=...) with block_counts of 2**31 or more selects every block,
+    as any count past the blocks does: it became the top-k's count as it was, and the kernels'
+    int32 counts wrapped it negative (XLA and Pallas attended with no selected block, silently)."""
+    config = nsa_dsl.NativeSparseAttentionConfig(block_size=16)
+    q, k, v = qkv(rng, 1, 45, 4, 2, 8)  # 3 blocks of 16
+    g_cmp, g_slc = gate(rng, 1, 45, 4), gate(rng, 1, 45, 4)
+    want = np.asarray(nsa_dsl.native_sparse_attention(q, k, v, g_cmp, g_slc, None, 3, platform=platform, cfg=config))
+    for count in (2**31, 10**12):
+        got = nsa_dsl.native_sparse_attention(q, k, v, g_cmp, g_slc, None, count, platform=platform, cfg=config)
+        np.testing.assert_array_equal(np.asarray(got), want)
+
+
 @pytest.mark.parametrize("platform", ["xla", "triton", "pallas"])
 def test_float64_inputs_under_x64_match_the_reference(rng, platform):
     """With jax_enable_x64, float64 inputs run as float32 computations (as every platform
