@@ -104,6 +104,8 @@ def _bad_calls():
         ("block_indices", dict(block_indices=np.zeros((1, 2, 1, 2), np.int32), cu_seqlens=np.array([0, 32]))),
         ("softmax_scale", dict(softmax_scale=np.ones(2, np.float32))),
         ("softmax_scale", dict(softmax_scale=float("inf"))),
+        ("softmax_scale", dict(softmax_scale=np.float32("nan"))),  # a concrete array: as a float
+        ("softmax_scale", dict(softmax_scale=jnp.asarray(-np.inf, jnp.float32))),
         ("platform", dict(platform="cuda")),
     ], dict(query=q, key=k, value=v, g_slc=None, block_indices=idx, block_counts=2, cu_seqlens=None)
 

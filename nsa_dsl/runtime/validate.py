@@ -298,6 +298,8 @@ def softmax_scale(value: object, shapes: Shapes) -> float | jax.Array:
     scale = _array("softmax_scale", value)
     if scale.ndim != 0 or not (jnp.issubdtype(scale.dtype, jnp.floating) or jnp.issubdtype(scale.dtype, jnp.integer)):
         raise ValueError(f"softmax_scale must be a real scalar, got shape {scale.shape} dtype {scale.dtype}")
+    if _is_concrete(scale) and not np.isfinite(np.asarray(scale)):
+        raise ValueError(f"softmax_scale must be finite, got {np.asarray(scale).item()!r}")
     return scale
 
 
