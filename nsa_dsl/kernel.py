@@ -587,7 +587,7 @@ class NativeSparseAttention(Kernel[NativeSparseAttentionConfig, jax.Array]):
                 sliced[name] = arguments[name][:1, :tokens]
         for name in ("block_indices", "block_counts"):
             x = arguments[name]
-            if _is_array(x):
+            if _is_array(x) and _shape(x):  # a 0-d count is every token's: nothing to cut
                 per_token = _shape(x)[:3] == (batch, seq_len, heads_kv)  # as runtime.validate tells the layouts apart
                 sliced[name] = x[:1, :tokens] if per_token else x[:1, :, :blocks]
         if arguments["cu_seqlens"] is not None:

@@ -353,6 +353,19 @@ def test_tuning_inputs_are_random_causal_and_distinct(rng, layout):
     assert take(np.zeros((1, 70, 4, 16))).shape == (1, 70, 4, 16)
 
 
+def test_a_count_as_an_integer_scalar_array_is_tuned(rng):
+    """block_counts as a 0-d integer array (one count for every token, as calls take it) is tuned
+    like an int: the check slice cut it as a per-block array, an IndexError (on a GPU, at a new
+    shape's first call, which tunes)."""
+    nsa = nsa_dsl.NativeSparseAttention(block_size=BLOCK)
+    q, k, v, _, g_slc, indices, width = call_arguments(rng, seq_len=70)
+    count = jax.numpy.int32(width - 1)
+    inv = nsa.invocation(q, k, v, None, g_slc, indices, count)
+    cfg = nsa.autotune(inv, candidates=nsa.candidate_cfgs(inv)[1:], force=True, repeats=1, progress=False)
+    want = np.asarray(nsa(q, k, v, None, g_slc, indices, width - 1, cfg="heuristic"))
+    np.testing.assert_array_equal(np.asarray(nsa(q, k, v, None, g_slc, indices, count, cfg=cfg)), want)
+
+
 @pytest.mark.parametrize("case", ["batch of two", "top-k over packed sequences"])
 def test_the_check_slice_is_the_first_tokens(rng, case, monkeypatch):
     """The first tokens of the first batch row see nothing later (causal within a sequence, the
