@@ -99,6 +99,8 @@ def _bad_calls():
         ("cu_seqlens", dict(cu_seqlens=np.array([0.0, 32.0]))),
         ("cu_seqlens", dict(cu_seqlens=np.array([0, 20, 10, 32]))),
         ("cu_seqlens", dict(cu_seqlens=np.array([0, 40]))),
+        ("cu_seqlens", dict(cu_seqlens=[0, 2**70])),  # a list no integer dtype holds
+        ("block_counts", dict(block_counts=[[[2**70, 1]] * 32])),
         ("cu_seqlens", dict(query=np.concatenate([q, q]), key=np.concatenate([k, k]), value=np.concatenate([v, v]),
                             block_indices=np.concatenate([idx, idx]), cu_seqlens=np.array([0, 32]))),
         ("block_indices", dict(block_indices=np.zeros((1, 2, 1, 2), np.int32), cu_seqlens=np.array([0, 32]))),

@@ -35,7 +35,7 @@ def _array(name: str, value: object) -> jax.Array:
     if isinstance(value, (list, tuple)):
         try:
             return jnp.asarray(value)
-        except (TypeError, ValueError) as err:
+        except (TypeError, ValueError, OverflowError) as err:  # OverflowError: ints no integer dtype holds
             raise ValueError(f"{name} must be an array, got {type(value).__name__} that is not one ({err})") from None
     raise ValueError(f"{name} must be an array, got {type(value).__name__}")
 
