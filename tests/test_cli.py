@@ -288,3 +288,12 @@ def test_a_module_that_would_shadow_an_installed_one_is_not_written(tmp_path: Pa
     assert sorted(p.name for p in out.iterdir()) == ["fine_xla.py"]
     monkeypatch.syspath_prepend(str(out))
     assert cli.main([str(source), "-o", str(out), "--platform", "xla", "--pattern", "fine"]) == 0
+
+
+def test_check_of_a_topk_count_beyond_the_blocks_allocates_no_column_per_count(tmp_path: Path, capsys) -> None:
+    """topk(2147483647, ...) is valid (every block, as any count past the blocks there are): --check's
+    reference padded its selections to `count` columns, 3 TiB at T=100, a MemoryError traceback."""
+    source = tmp_path / "every.nsa"
+    source.write_text("pattern every\nblock 16\nbranch cmp = compress(32, 16)\nbranch slc = topk(2147483647, score=cmp)\n")
+    assert cli.main([str(source), "--check", "--seq-len", "100", "-o", str(tmp_path / "out")]) == 0
+    assert "  check xla: ok: max relative error" in capsys.readouterr().out

@@ -116,7 +116,7 @@ def compressed(branch: p.CompressBranch, k, v):
 
 
 def top_blocks(branch: p.TopKBranch, score: p.CompressBranch, q, k, scale) -> np.ndarray:
-    """[B, T, HKV, count] blocks a top-k branch selects, -1 unused: importance of selection
+    """[B, T, HKV, min(count, blocks)] blocks a top-k branch selects, -1 unused: importance of selection
     block j = compression probabilities of the compressed blocks overlapping it, weighted by
     the stride units they share, summed over the KV group's heads (and the queries of a
     `per block` group); forced blocks first, then the best valid ones, lower ids on ties."""
@@ -145,8 +145,9 @@ def top_blocks(branch: p.TopKBranch, score: p.CompressBranch, q, k, scale) -> np
         forced = keys[last][:, np.minimum(np.arange(num_sel) * branch.block, seq_len - 1)] & valid
     ranked = np.where(valid, np.where(forced, np.inf, importance), -np.inf)  # [B, HKV, T, num_sel]
     order = np.argsort(-ranked, axis=-1, kind="stable")[..., : branch.count]  # stable: lower ids on ties
+    # No padding to `count` columns: a count past the blocks (topk(2**31 - 1) takes every block) would
+    # ask for that many, and selection_mask reads as many as there are.
     chosen = np.where(np.take_along_axis(ranked, order, axis=-1) > -np.inf, order, -1)
-    chosen = np.pad(chosen, [(0, 0)] * 3 + [(0, branch.count - chosen.shape[-1])], constant_values=-1)
     return chosen.transpose(0, 2, 1, 3)
 
 
