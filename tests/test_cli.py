@@ -297,3 +297,13 @@ def test_check_of_a_topk_count_beyond_the_blocks_allocates_no_column_per_count(t
     source.write_text("pattern every\nblock 16\nbranch cmp = compress(32, 16)\nbranch slc = topk(2147483647, score=cmp)\n")
     assert cli.main([str(source), "--check", "--seq-len", "100", "-o", str(tmp_path / "out")]) == 0
     assert "  check xla: ok: max relative error" in capsys.readouterr().out
+
+
+def test_check_on_a_platform_that_cannot_run_here_is_reported_not_raised(source_file: Path, tmp_path: Path, monkeypatch,
+                                                                          capsys) -> None:
+    """The module is written (rendering needs no triton), and --check says why it cannot run it: it
+    raised ModuleNotFoundError out of nsa-compile, a traceback."""
+    monkeypatch.setitem(sys.modules, "triton", None)  # importlib.util.find_spec: not installed
+    assert cli.main([str(source_file), "--pattern", "sliding", "--platform", "triton", "--check", "-o", str(tmp_path)]) == 1
+    assert "  check triton: not checked: platform='triton' is not available: its modules import triton" in capsys.readouterr().out
+    assert (tmp_path / "sliding_triton.py").is_file()

@@ -19,6 +19,7 @@ import numpy as np
 from ..plan import oracle
 from ..plan import plan as p
 from .dispatch import attend, check_supported
+from .platform import resolve_platform
 
 # The dense reference is quadratic: longer requests are checked at this length.
 MAX_CHECK_LEN = 1024
@@ -154,7 +155,8 @@ def top_blocks(branch: p.TopKBranch, score: p.CompressBranch, q, k, scale) -> np
 def check_pattern(plan: p.Plan, seq_len: int, *, platform: str = "xla", tolerance: float = 1e-4, seed: int = 0) -> CheckReport:
     try:
         check_supported(plan, platform)
-    except NotImplementedError as err:
+        resolve_platform(platform)  # e.g. triton not installed, or a platform this device has not
+    except (NotImplementedError, ValueError) as err:
         return CheckReport(False, seq_len, reason=str(err))
     learned = [b.name for b in plan.branches if isinstance(b, p.CompressBranch) and b.pool == "learned"]
     if learned:

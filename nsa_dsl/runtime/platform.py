@@ -1,12 +1,14 @@
 """Where kernels run: which platforms have a code generator and can run on this machine.
 
-A platform is usable when its templates exist (templates/<platform>/module.py.j2) and the
-device jax runs on supports it: XLA runs everywhere, Triton needs a GPU, Pallas a GPU or TPU.
+A platform is usable when its templates exist (templates/<platform>/module.py.j2), the
+device jax runs on supports it (XLA runs everywhere, Triton needs a GPU, Pallas a GPU or TPU)
+and the packages its modules import are installed (Triton's come with the `gpu` extra).
 `None`/"auto" picks the most specialised usable one.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -31,6 +33,14 @@ def has_generator(platform: str) -> bool:
     return (templates_dir() / platform / "module.py.j2").is_file()
 
 
+def missing_packages(platform: str, device: str) -> list[str]:
+    """The packages `platform`'s generated modules import on `device` that are not installed: a
+    plain `pip install nsa_dsl` has neither triton nor jax-triton (a GPU launches Triton kernels
+    through jax-triton; a CPU runs them in triton's interpreter)."""
+    needed = {"triton": ("triton", "jax_triton") if device == "gpu" else ("triton",)}.get(platform, ())
+    return [name for name in needed if importlib.util.find_spec(name) is None]
+
+
 def device_kind(config: NativeSparseAttentionConfig | None = None) -> str:
     """"cpu", "gpu" or "tpu": the config's `backend` if set, else jax's default backend."""
     if config is not None and config.backend is not None:
@@ -48,7 +58,9 @@ def for_device(config: NativeSparseAttentionConfig | None) -> NativeSparseAttent
 def available_platforms(config: NativeSparseAttentionConfig | None = None) -> tuple[str, ...]:
     """The usable platforms, most specialised first."""
     device = device_kind(config)
-    return tuple(p for p in _PREFERENCE if device in _DEVICES[p] and has_generator(p))
+    return tuple(
+        p for p in _PREFERENCE if device in _DEVICES[p] and has_generator(p) and not missing_packages(p, device)
+    )
 
 
 def resolve_platform(
@@ -65,11 +77,15 @@ def resolve_platform(
         return next((p for p in usable if runs(p)), usable[-1])
     if requested not in PLATFORMS:
         raise ValueError(f"platform must be one of {', '.join(PLATFORMS)}, 'auto' or None, got {requested!r}")
-    interpreted = has_generator(requested) and device_kind(config) in _INTERPRETED.get(requested, ())
+    device = device_kind(config)
+    missing = missing_packages(requested, device)
+    interpreted = has_generator(requested) and device in _INTERPRETED.get(requested, ()) and not missing
     if requested not in usable and not interpreted:
         if not has_generator(requested):
             why = "nsa_dsl has no code generator for it yet"
+        elif device not in _DEVICES[requested] + _INTERPRETED.get(requested, ()):
+            why = f"it needs a {' or '.join(d.upper() for d in _DEVICES[requested])} and jax runs on {device.upper()}"
         else:
-            why = f"it needs a {' or '.join(d.upper() for d in _DEVICES[requested])} and jax runs on {device_kind(config).upper()}"
+            why = f"its modules import {', '.join(missing)}, not installed here (pip install 'nsa_dsl[gpu]' brings them)"
         raise ValueError(f"platform={requested!r} is not available: {why}; available: {', '.join(usable)}")
     return requested
