@@ -254,7 +254,10 @@ def _compile(args: argparse.Namespace, platforms: list[str]) -> int:
                 succeeded = False
                 continue
             target.write_text(codegen.source(platform, plan))
-            print(f"  {platform}: wrote {target} (cached at {codegen.cache_path(platform, plan)})")
+            entry = codegen.cache_path(platform, plan)
+            # A cache that could not take the entry has warned; its path then holds nothing.
+            cached = f"cached at {entry}" if entry.is_file() else f"not cached: {codegen.cache_root()} cannot take it"
+            print(f"  {platform}: wrote {target} ({cached})")
             if args.check:
                 succeeded &= _check(plan, platform, args.seq_len)
     return 0 if succeeded else 1

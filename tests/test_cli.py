@@ -307,3 +307,17 @@ def test_check_on_a_platform_that_cannot_run_here_is_reported_not_raised(source_
     assert cli.main([str(source_file), "--pattern", "sliding", "--platform", "triton", "--check", "-o", str(tmp_path)]) == 1
     assert "  check triton: not checked: platform='triton' is not available: its modules import triton" in capsys.readouterr().out
     assert (tmp_path / "sliding_triton.py").is_file()
+
+
+def test_a_cache_that_cannot_take_the_entry_is_not_named_as_its_place(source_file: Path, tmp_path: Path, monkeypatch,
+                                                                      capsys) -> None:
+    """NSA_DSL_CACHE_DIR a file (or read-only): the module is written all the same, with the cache's
+    warning, and the summary no longer says it is cached at a path that holds nothing."""
+    root = tmp_path / "cache_file"
+    root.write_text("not a directory")
+    monkeypatch.setenv("NSA_DSL_CACHE_DIR", str(root))
+    with pytest.warns(cache.CacheWarning, match="could not write"):
+        assert cli.main([str(source_file), "--pattern", "sliding", "-o", str(tmp_path / "out")]) == 0
+    printed = capsys.readouterr().out
+    assert f"  xla: wrote {tmp_path / 'out' / 'sliding_xla.py'} (not cached: {root} cannot take it)" in printed
+    assert "cached at" not in printed
