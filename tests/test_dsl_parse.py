@@ -352,6 +352,14 @@ def test_load_a_file_saved_with_a_byte_order_mark(tmp_path):
     path.write_bytes(b"\xef\xbb\xbf" + TWO.encode())
     assert load(path) == load(TWO)
 
+
+@pytest.mark.parametrize("newline", ["\r\n", "\r"], ids=["CRLF", "CR"])
+def test_text_with_other_line_endings_means_the_same(newline):
+    """A comment ends at any line ending: with lone CRs (text read without universal newlines) it
+    ran to the end of the text, silently dropping every statement after it."""
+    text = "pattern p\nblock 64\n# a window\nbranch a = window(4)\n# and a sink\nbranch b = global(first=1)\n"
+    assert load(text.replace("\n", newline)) == load(text)
+
 # ---- the syntax tree -------------------------------------------------------------------------
 def test_parse_builds_positioned_nodes():
     module = parse("pattern p\n  block 64\n  branch b = window(w - 1, right=2) gate g_swa default 1\n", file="f.nsa")
