@@ -225,6 +225,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         where = f": {err.filename}" if err.filename else ""
         print(f"nsa-compile: {err.strerror or err}{where}", file=sys.stderr)
         return 1
+    except MemoryError:  # a dense table at a long --seq-len (the summary's; the kernels build theirs per call)
+        print(f"nsa-compile: not enough memory for the block tables' statistics at --seq-len {args.seq_len}: "
+              "give a shorter one", file=sys.stderr)
+        return 1
 
 
 def _compile(args: argparse.Namespace, platforms: list[str]) -> int:

@@ -321,3 +321,18 @@ def test_a_cache_that_cannot_take_the_entry_is_not_named_as_its_place(source_fil
     printed = capsys.readouterr().out
     assert f"  xla: wrote {tmp_path / 'out' / 'sliding_xla.py'} (not cached: {root} cannot take it)" in printed
     assert "cached at" not in printed
+
+
+def test_block_tables_too_large_for_memory_are_a_message_not_a_traceback(source_file: Path, tmp_path: Path,
+                                                                         monkeypatch, capsys) -> None:
+    """The summary builds each static branch's table at --seq-len, which any length up to 2**29 may ask
+    for: a bidirectional stride(every=1) at block 16 and 4M tokens wants some 400 GB, a MemoryError
+    traceback out of nsa-compile."""
+    def out_of_memory(*args):
+        raise MemoryError
+
+    monkeypatch.setattr(cli, "build_block_table", out_of_memory)
+    assert cli.main([str(source_file), "--seq-len", "4194304", "-o", str(tmp_path / "out")]) == 1
+    assert capsys.readouterr().err == (
+        "nsa-compile: not enough memory for the block tables' statistics at --seq-len 4194304: give a shorter one\n"
+    )
