@@ -22,6 +22,7 @@ import numpy as np
 
 from . import codegen, dsl
 from .api import check_pattern
+from .codegen.cache import write_atomically
 from .config import PLATFORMS
 from .dsl import model
 from .errors import NsaError
@@ -257,7 +258,8 @@ def _compile(args: argparse.Namespace, platforms: list[str]) -> int:
                       f"rename pattern {plan.name!r}", file=sys.stderr)
                 succeeded = False
                 continue
-            target.write_text(codegen.source(platform, plan))
+            # Replaced whole or not at all: a write that fails midway (a full disk) keeps the earlier module.
+            write_atomically(target, codegen.source(platform, plan).encode())
             entry = codegen.cache_path(platform, plan)
             # A cache that could not take the entry has warned; its path then holds nothing.
             cached = f"cached at {entry}" if entry.is_file() else f"not cached: {codegen.cache_root()} cannot take it"

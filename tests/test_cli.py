@@ -336,3 +336,32 @@ def test_block_tables_too_large_for_memory_are_a_message_not_a_traceback(source_
     assert capsys.readouterr().err == (
         "nsa-compile: not enough memory for the block tables' statistics at --seq-len 4194304: give a shorter one\n"
     )
+
+
+def test_a_write_that_fails_midway_leaves_the_earlier_module_whole(source_file: Path, tmp_path: Path) -> None:
+    """A full disk (here a file size limit) failed the write after truncating the module an earlier
+    run wrote: its importers then found a fragment. The module is replaced only once written whole."""
+    out = tmp_path / "out"
+    assert run_cli(source_file, "--pattern", "sliding", "-o", out).returncode == 0
+    module = out / "sliding_xla.py"
+    written = module.read_bytes()
+    module.write_bytes(written.replace(b"Do not edit", b"Do not edit (earlier)"))
+    earlier = module.read_bytes()
+
+    # In the child, not through preexec_fn: forking this process, which runs JAX's threads, may deadlock.
+    disk_full = (
+        "import resource, signal, sys\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG) instead\n"
+        f"resource.setrlimit(resource.RLIMIT_FSIZE, ({len(written) // 2}, resource.RLIM_INFINITY))\n"
+        "from nsa_dsl.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    paths = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    failed = subprocess.run(
+        [sys.executable, "-c", disk_full, str(source_file), "--pattern", "sliding", "-o", str(out)],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=os.pathsep.join(paths)),
+        check=False,
+    )
+    assert failed.returncode == 1 and "nsa-compile: File too large" in failed.stderr
+    assert module.read_bytes() == earlier
+    assert sorted(p.name for p in out.iterdir()) == ["sliding_xla.py"]  # no temporary file left behind
