@@ -223,7 +223,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(err, file=sys.stderr)
         return 1
     except OSError as err:  # the output folder cannot be written (reading errors are NsaErrors)
-        where = f": {err.filename}" if err.filename else ""
+        # A module is moved into place from a temporary file (filename), onto its path (filename2).
+        name = err.filename2 or err.filename
+        where = f": {name}" if name else ""
         print(f"nsa-compile: {err.strerror or err}{where}", file=sys.stderr)
         return 1
     except MemoryError:  # a dense table at a long --seq-len (the summary's; the kernels build theirs per call)

@@ -187,6 +187,13 @@ def test_unwritable_output_exits_1(source_file: Path, capsys) -> None:
     assert capsys.readouterr().err == f"nsa-compile: File exists: {source_file}\n"
 
 
+def test_a_module_path_taken_by_a_folder_is_named_in_the_message(source_file: Path, tmp_path: Path, capsys) -> None:
+    (tmp_path / "sliding_xla.py").mkdir()
+    assert cli.main([str(source_file), "--pattern", "sliding", "-o", str(tmp_path)]) == 1
+    assert capsys.readouterr().err == f"nsa-compile: Is a directory: {tmp_path / 'sliding_xla.py'}\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "sliding_xla.py", "two.nsa"]
+
+
 BAD_SOURCES = {
     "syntax": ("pattern p\nblock 64\ncausal\nbranch main = window(128 | local(2)\n", "4:36: NsaSyntaxError"),
     "unknown name": (
