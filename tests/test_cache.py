@@ -138,6 +138,14 @@ def test_cache_root_defaults_to_home_cache(monkeypatch, tmp_path: Path) -> None:
     assert cache.cache_root() == tmp_path / ".cache" / "nsa_dsl"
 
 
+def test_cache_root_expands_a_leading_tilde(monkeypatch, tmp_path: Path) -> None:
+    """NSA_DSL_CACHE_DIR="~/nsa" (quoted, so the shell leaves the ~) is the home's nsa: it was a
+    folder named "~" under whatever the working directory was."""
+    monkeypatch.setenv("NSA_DSL_CACHE_DIR", "~/nsa")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert cache.cache_root() == tmp_path / "nsa"
+
+
 def _truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[:20])
 

@@ -44,9 +44,10 @@ class CacheWarning(UserWarning):
 
 
 def cache_root() -> Path:
-    """`$NSA_DSL_CACHE_DIR`, default `~/.cache/nsa_dsl`; read at every call so it can be redirected."""
+    """`$NSA_DSL_CACHE_DIR` (a leading ~ is the home, as a shell would have it), default
+    `~/.cache/nsa_dsl`; read at every call so it can be redirected."""
     configured = os.environ.get("NSA_DSL_CACHE_DIR")
-    return Path(configured) if configured else Path.home() / ".cache" / "nsa_dsl"
+    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "nsa_dsl"
 
 
 def library_version(name: str) -> str:
