@@ -75,13 +75,13 @@ def test_triton_without_its_packages_is_never_picked_and_says_what_to_install(mo
     """A plain `pip install nsa_dsl` (no `gpu` extra) has neither triton nor jax-triton: on a GPU the
     automatic choice was Triton all the same, whose module then failed every call with
     ModuleNotFoundError, as did asking for it by name."""
-    gpu = nsa_dsl.NativeSparseAttentionConfig(backend="gpu")
+    gpu, cpu = (nsa_dsl.NativeSparseAttentionConfig(backend=device) for device in ("gpu", "cpu"))
     monkeypatch.setitem(sys.modules, "jax_triton", None)  # importlib.util.find_spec: not installed
     assert resolve_platform(None, gpu) == "pallas"
     with pytest.raises(ValueError, match=r"platform='triton' is not available: its modules import jax_triton, not installed"
                                          r" here \(pip install 'nsa_dsl\[gpu\]' brings them\); available: pallas, xla"):
         resolve_platform("triton", gpu)
-    assert resolve_platform("triton") == "triton"  # this CPU's interpreter needs triton only
+    assert resolve_platform("triton", cpu) == "triton"  # the CPU's interpreter needs triton only
     monkeypatch.setitem(sys.modules, "triton", None)
     with pytest.raises(ValueError, match=r"platform='triton' is not available: its modules import triton, not installed"):
-        resolve_platform("triton")
+        resolve_platform("triton", cpu)
