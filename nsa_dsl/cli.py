@@ -261,7 +261,8 @@ def _compile(args: argparse.Namespace, platforms: list[str]) -> int:
                 succeeded = False
                 continue
             # Replaced whole or not at all: a write that fails midway (a full disk) keeps the earlier module.
-            write_atomically(target, codegen.source(platform, plan).encode())
+            # Through a symbolic link, as writing to it would: the link stays, its file is replaced.
+            write_atomically(target.resolve(), codegen.source(platform, plan).encode())
             entry = codegen.cache_path(platform, plan)
             # A cache that could not take the entry has warned; its path then holds nothing.
             cached = f"cached at {entry}" if entry.is_file() else f"not cached: {codegen.cache_root()} cannot take it"

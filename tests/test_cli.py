@@ -372,3 +372,15 @@ def test_a_write_that_fails_midway_leaves_the_earlier_module_whole(source_file: 
     assert failed.returncode == 1 and "nsa-compile: File too large" in failed.stderr
     assert module.read_bytes() == earlier
     assert sorted(p.name for p in out.iterdir()) == ["sliding_xla.py"]  # no temporary file left behind
+
+
+def test_a_module_behind_a_symbolic_link_is_written_where_the_link_points(source_file: Path, tmp_path: Path) -> None:
+    package = tmp_path / "package"
+    package.mkdir()
+    (package / "sliding_xla.py").write_text("# an earlier version\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "sliding_xla.py").symlink_to(package / "sliding_xla.py")
+    assert cli.main([str(source_file), "--pattern", "sliding", "-o", str(out)]) == 0
+    assert (out / "sliding_xla.py").is_symlink()
+    assert "def sparse_attention(" in (package / "sliding_xla.py").read_text()
