@@ -8,6 +8,7 @@ line with a caret under the column, and a hint where one helps (e.g. "did you me
 from __future__ import annotations
 
 import difflib
+import functools
 from collections.abc import Iterable
 
 
@@ -31,6 +32,12 @@ class NsaError(Exception):
         self.source_line = source_line
         self.hint = hint
         super().__init__(self._format())
+
+    def __reduce__(self):
+        # Pickled (process pools, multiprocessing) by its fields: rebuilt from its formatted text, the
+        # copy's text gained a second "<string>: NsaSyntaxError:" prefix.
+        fields = {name: getattr(self, name) for name in ("file", "line", "column", "source_line", "hint")}
+        return functools.partial(type(self), **fields), (self.message,)
 
     def _format(self) -> str:
         where = self.file if self.line is None else f"{self.file}:{self.line}:{self.column}"

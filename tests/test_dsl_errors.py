@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 import numpy as np
 import pytest
 
@@ -547,6 +549,16 @@ def test_semantic_error_text_has_caret():
         "                           ^\n"
         "  hint: did you mean 'global'?"
     )
+
+
+@pytest.mark.parametrize("text", ["pattern p\nblock 64\nbranch b = window(4) | globl(first=1)\n", "pattern p\nblock 64\n$"])
+def test_an_error_pickles_to_the_same_error(text):
+    """Process pools and multiprocessing send errors back pickled: the copy was rebuilt from the
+    formatted text, so it read '<string>: NsaSemanticError: x.nsa:3:24: NsaSemanticError: ...'."""
+    err = failure(text, file="x.nsa")
+    copy = pickle.loads(pickle.dumps(err))
+    assert type(copy) is type(err) and str(copy) == str(err)
+    assert (copy.message, copy.file, copy.line, copy.column, copy.hint) == (err.message, err.file, err.line, err.column, err.hint)
 
 
 def test_caret_lines_up_under_tabs():
