@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import site
 import subprocess
 import sys
@@ -59,3 +61,10 @@ def test_installed_wheel_compiles_an_example(tmp_path: Path) -> None:
     assert str(tmp_path / "cache") in output
     # The written module imports in the installed environment.
     run([python, "-c", "import longformer_xla"], timeout=300, cwd=generated.parent, env=env)
+
+    # The quickstart, beside a copy of its pattern outside the checkout, runs on the installed package.
+    for name in ("quickstart.py", "longformer.nsa"):
+        shutil.copy(ROOT / "examples" / name, elsewhere)
+    printed = run([python, "quickstart.py", "--seq-len", "256"], timeout=300, cwd=elsewhere, env=env)
+    error = float(re.search(r"max relative error vs float64 reference: (\S+)", printed).group(1))
+    assert error <= 1e-5
