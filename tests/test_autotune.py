@@ -28,6 +28,7 @@ from conftest import FORWARD_TOLERANCE, assert_close, gate, qkv, random_indices
 import nsa_dsl
 from nsa_dsl import autotune, kernel
 from nsa_dsl.config import NativeSparseAttentionConfig as Config
+from nsa_dsl.runtime import platform
 
 BLOCK = 16
 REPO = Path(__file__).resolve().parent.parent
@@ -163,6 +164,7 @@ def test_by_default_a_new_shape_is_tuned_where_compiled_gpu_kernels_run(monkeypa
     assert not nsa.tunes_lazily(nsa.invocation(*args))  # XLA on this CPU
     assert not nsa.tunes_lazily(nsa.invocation(*args, None, None, "triton"))  # the interpreter
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # decided as on a GPU; nothing runs
+    monkeypatch.setattr(platform, "missing_packages", lambda *_: [])  # ... with the gpu extra (jax-triton) installed
     assert nsa.platform_for(nsa.invocation(*args)) == "triton"
     assert nsa.tunes_lazily(nsa.invocation(*args)) and nsa.tunes_lazily(nsa.invocation(*args, None, None, "pallas"))
     assert not nsa.tunes_lazily(nsa.invocation(*args, None, None, "xla"))
