@@ -214,10 +214,12 @@ def test_check_pattern_report():
     assert not refused.ok and "not checked" in str(refused)
 
 
-def test_automatic_platform_is_the_most_specialised_one_with_kernels_for_every_branch():
-    # Decided for devices this machine lacks: Triton on a GPU, Pallas (its TPU variant) on a TPU,
-    # XLA on a CPU, for every plan.
+def test_automatic_platform_is_the_most_specialised_one_with_kernels_for_every_branch(monkeypatch):
+    # Decided for devices this machine lacks: Triton on a GPU (with the gpu extra's packages),
+    # Pallas (its TPU variant) on a TPU, XLA on a CPU, for every plan.
     from nsa_dsl.runtime import choose_platform
+
+    monkeypatch.setattr("nsa_dsl.runtime.platform.missing_packages", lambda *_: [])
 
     on = {device: nsa_dsl.NativeSparseAttentionConfig(backend=device) for device in ("cpu", "gpu", "tpu")}
     static = nsa_dsl.compile(EXAMPLES / "longformer.nsa").plan
