@@ -28,6 +28,8 @@ SYNTAX = [
     ("block 64\n", "unexpected 'block'", 1, 1, "expected 'pattern'"),
     (HEAD + "branch b = window(4", "unexpected end of input", 3, 20, "expected one of: ')', ','"),
     (HEAD + "branch b = 1 +   # more to come\n", "unexpected end of input", 3, 15, None),
+    # lone CR line endings: one line as Lark counts them; its comments end at each CR all the same
+    ("pattern p\rblock 64\r# a window\rbranch b = window(4", "unexpected end of input", 1, 50, "expected one of: ')', ','"),
     (HEAD + "branch b = window(4))", "unexpected ')'", 3, 21, None),
     (HEAD + "branch b = local(1) $", "unexpected character '$'", 3, 21, None),
     (HEAD + "branch b local(1)", "unexpected name 'local'", 3, 10, "expected '='"),

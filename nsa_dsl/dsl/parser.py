@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from pathlib import Path
 
 from lark import Lark, Token, Transformer_NonRecursive, v_args
@@ -17,6 +18,7 @@ from . import ast
 
 _INT_LIMIT = 2**63  # integer literals must be below it; larger ones mean nothing to any kernel
 
+_COMMENT = re.compile(r"#[^\r\n]*")  # as the grammar's COMMENT: a lone CR ends one too (Lark counts lines by \n)
 _TERMINAL_WORDS = {"NAME": "a name", "INT": "an integer", "FLOAT": "a decimal number", "$END": "end of input"}
 
 
@@ -193,7 +195,8 @@ def _end_position(text: str) -> tuple[int, int]:
     """Line and column just after the last non-blank, non-comment character of `text`."""
     lines = text.split("\n")
     for index in range(len(lines) - 1, -1, -1):
-        content = lines[index].split("#", 1)[0].rstrip(" \t\f\r")
+        # comments blanked in place, so that the columns of what precedes them stay as they are
+        content = _COMMENT.sub(lambda comment: " " * len(comment[0]), lines[index]).rstrip(" \t\f\r")
         if content:
             return index + 1, len(content) + 1
     return 1, 1
