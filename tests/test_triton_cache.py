@@ -47,7 +47,7 @@ def test_an_entry_reads_back_as_written(tmp_path, rng):
 
 
 @pytest.mark.parametrize(
-    "damage", ["truncated", "payload edited", "checksum edited", "not json", "wrong layout", "empty"]
+    "damage", ["truncated", "payload edited", "checksum edited", "not json", "wrong layout", "payload not text", "empty"]
 )
 def test_a_damaged_entry_is_refused(tmp_path, rng, damage):
     path = tmp_path / "entry.json"
@@ -66,6 +66,9 @@ def test_a_damaged_entry_is_refused(tmp_path, rng, damage):
         path.write_bytes(b"\xff\xfe garbage")
     elif damage == "wrong layout":
         path.write_text(json.dumps([stored]))
+    elif damage == "payload not text":  # valid JSON all the same: payload.encode() was an AttributeError out of the call
+        stored["payload"] = json.loads(stored["payload"])
+        path.write_text(json.dumps(stored))
     else:
         path.write_text("")
     assert triton_cache._read_entry(path) is None

@@ -141,7 +141,7 @@ def _read_entry(path: Path) -> dict | None:
     try:
         stored = json.loads(path.read_text())
         payload = stored["payload"]
-        if hashlib.sha256(payload.encode()).hexdigest() != stored["sha256"]:
+        if not isinstance(payload, str) or hashlib.sha256(payload.encode()).hexdigest() != stored["sha256"]:
             return None
         entry = json.loads(payload)
         fields = {"name": str, "shared_mem_bytes": int, "binary": str, "ttir": str, "attrs": list}
