@@ -223,9 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(err, file=sys.stderr)
         return 1
     except OSError as err:  # the output folder cannot be written (reading errors are NsaErrors)
-        # A module is moved into place from a temporary file (filename), onto its path (filename2).
-        name = err.filename2 or err.filename
-        where = f": {name}" if name else ""
+        where = f": {err.filename}" if err.filename else ""
         print(f"nsa-compile: {err.strerror or err}{where}", file=sys.stderr)
         return 1
     except MemoryError:  # a dense table at a long --seq-len (the summary's; the kernels build theirs per call)
@@ -262,7 +260,10 @@ def _compile(args: argparse.Namespace, platforms: list[str]) -> int:
                 continue
             # Replaced whole or not at all: a write that fails midway (a full disk) keeps the earlier module.
             # Through a symbolic link, as writing to it would: the link stays, its file is replaced.
-            write_atomically(target.resolve(), codegen.source(platform, plan).encode())
+            try:
+                write_atomically(target.resolve(), codegen.source(platform, plan).encode())
+            except OSError as err:  # named by the module, not by the temporary file it was written to
+                raise OSError(err.errno, err.strerror, str(target)) from err
             entry = codegen.cache_path(platform, plan)
             # A cache that could not take the entry has warned; its path then holds nothing.
             cached = f"cached at {entry}" if entry.is_file() else f"not cached: {codegen.cache_root()} cannot take it"
