@@ -727,11 +727,16 @@ def row_text(row: dict) -> str:
     def ms(value):
         return num(value, ".3f" if isinstance(value, float) and value < 100 else ".1f")
 
+    def cell(text: str, width: int) -> str:
+        # A space before every cell: one as wide as its column (0.00368 in 7) must not run into
+        # the cell before it.
+        return " " + text.rjust(width - 1)
+
     fwd, fb = row["fwd"], row["fwdbwd"]
-    text = (f"{row['label'][:45]:<46}{ms(fwd.get('ms')):>10}{ms(fb.get('ms')):>10}"
-            f"{num(row.get('ratio_fwd'), '.3g'):>7}{num(row.get('ratio_fwdbwd'), '.3g'):>7}"
-            f"{num(fwd.get('tflops'), '.3g'):>9}{num(fwd.get('requested_tb_per_s'), '.3g'):>9}"
-            f"{num(row.get('max_abs_diff_vs_baseline'), '.1e'):>9}")
+    text = (f"{row['label'][:45]:<46}" + cell(ms(fwd.get('ms')), 10) + cell(ms(fb.get('ms')), 10)
+            + cell(num(row.get('ratio_fwd'), '.3g'), 7) + cell(num(row.get('ratio_fwdbwd'), '.3g'), 7)
+            + cell(num(fwd.get('tflops'), '.3g'), 9) + cell(num(fwd.get('requested_tb_per_s'), '.3g'), 9)
+            + cell(num(row.get('max_abs_diff_vs_baseline'), '.1e'), 9))
     notes = []
     if row.get("baseline"):
         notes.append("ratio base")

@@ -70,3 +70,25 @@ def test_ncu_stall_groups_sums_each_kernels_samples_by_execution_count(tmp_path)
     assert second.startswith("second: 2 instructions, 13 samples")
     assert "executed        100:     1 instructions,       11 samples" in second
     assert "long_sb,wait" in second and "BAR.SYNC" in second
+
+
+def bench_gpu_module():
+    """benchmarks/bench_gpu.py imported as a module (its functions, without running it)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_gpu_under_test", BENCHMARKS / "bench_gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_gpu_table_cells_stay_apart_whatever_their_width():
+    """A ratio or a throughput as wide as its column (0.00368 in a 7-wide column) is still its own
+    field: the cells of a row never run together ("10.5130.003680.00266")."""
+    bench = bench_gpu_module()
+    row = {"label": "nsa_dsl pallas", "fwd": {"ms": 6.354, "tflops": 0.00187, "requested_tb_per_s": 0.000351},
+           "fwdbwd": {"ms": 10.513}, "ratio_fwd": 0.0036812, "ratio_fwdbwd": 0.0026612,
+           "max_abs_diff_vs_baseline": 4.8e-07}
+    fields = bench.row_text(row).split()
+    assert fields[2:] == ["6.354", "10.513", "0.00368", "0.00266", "0.00187", "0.000351", "4.8e-07"], fields
