@@ -881,12 +881,14 @@ def evaluate_targets(data: dict) -> list[dict]:
         dense = ms_of(find_row(rows, "nsa", t, "cudnn"), "fwd") or ms_of(find_row(rows, "selection", t, "cudnn"), "fwd")
         if nsa and t == 65536:
             add("full NSA fwd (.nsa with window) at 64k <= 20 ms", t, nsa, "<= 20 ms", nsa <= 20)
-        if nsa and dense:
+        # The 64k targets are judged at 64k only: at 8k dense attention is short and the same
+        # ratio would print a MISSED that says nothing of them.
+        if nsa and dense and t == 65536:
             add("full NSA fwd: cuDNN dense causal / ours >= 5.9 (at 64k)", t, dense / nsa, ">= 5.9", dense / nsa >= 5.9)
         window = ms_of(find_row(rows, "window", t, "ours-triton"), "fwd")
         cudnn_window = ms_of(find_row(rows, "window", t, "cudnn"), "fwd")
         flex = ms_of(find_row(rows, "window", t, "flex"), "fwd")
-        if window and cudnn_window:
+        if window and cudnn_window and t == 65536:
             add("window fwd: cuDNN / ours >= 1 (at 64k)", t, cudnn_window / window, ">= 1", cudnn_window / window >= 1)
         if window and flex:
             add("window fwd: FlexAttention / ours >= 1.65", t, flex / window, ">= 1.65", flex / window >= 1.65)

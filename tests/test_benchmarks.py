@@ -92,3 +92,22 @@ def test_bench_gpu_table_cells_stay_apart_whatever_their_width():
            "max_abs_diff_vs_baseline": 4.8e-07}
     fields = bench.row_text(row).split()
     assert fields[2:] == ["6.354", "10.513", "0.00368", "0.00266", "0.00187", "0.000351", "4.8e-07"], fields
+
+
+def test_bench_gpu_targets_of_64k_are_judged_at_64k_only():
+    """Issue 4's 64k targets (NSA >= 5.9x cuDNN, window >= cuDNN) are not judged at 8k, where
+    dense attention is short and the same ratio says nothing of them (a 'MISSED ... (at 64k)'
+    printed for T=8192)."""
+    bench = bench_gpu_module()
+
+    def row(case, seq_len, impl, variant, ms):
+        return {"case": case, "seq_len": seq_len, "impl": impl, "variant": variant, "fwd": {"ms": ms}, "fwdbwd": {}}
+
+    rows = []
+    for t, nsa, dense, window, cudnn_window in ((8192, 3.0, 1.8, 0.5, 0.4), (65536, 20.0, 120.0, 2.7, 3.1)):
+        rows += [row("nsa", t, "ours-triton", "pattern", nsa), row("nsa", t, "cudnn", "", dense),
+                 row("window", t, "ours-triton", "", window), row("window", t, "cudnn", "", cudnn_window)]
+    targets = bench.evaluate_targets({"rows": rows, "coldstart": []})
+    judged = {(t["target"], t["seq_len"]) for t in targets}
+    for text in ("full NSA fwd: cuDNN dense causal / ours >= 5.9 (at 64k)", "window fwd: cuDNN / ours >= 1 (at 64k)"):
+        assert (text, 65536) in judged and (text, 8192) not in judged, sorted(judged)
