@@ -740,6 +740,10 @@ def row_text(row: dict) -> str:
     notes = []
     if row.get("baseline"):
         notes.append("ratio base")
+    if row.get("comparable") is False:
+        # Its x is a time ratio between different functions (FLA's NSA forces other blocks, the
+        # .nsa pattern adds a window, dense attention is the reference): say so in the table.
+        notes.append("another function: not like for like")
     if fwd.get("reused"):
         notes.append("measured above")
     for mode in MODES:

@@ -111,3 +111,13 @@ def test_bench_gpu_targets_of_64k_are_judged_at_64k_only():
     judged = {(t["target"], t["seq_len"]) for t in targets}
     for text in ("full NSA fwd: cuDNN dense causal / ours >= 5.9 (at 64k)", "window fwd: cuDNN / ours >= 1 (at 64k)"):
         assert (text, 65536) in judged and (text, 8192) not in judged, sorted(judged)
+
+
+def test_bench_gpu_table_marks_rows_that_compute_another_function():
+    """A row whose outputs are not those of the ratio base (FLA's NSA, the dense reference) says
+    so in the table, not only in the JSON: its x is not a like-for-like speed-up."""
+    bench = bench_gpu_module()
+    row = {"label": "FLA parallel_nsa(g_cmp), no window", "comparable": False,
+           "fwd": {"ms": 58.2}, "fwdbwd": {"ms": 221.5}, "ratio_fwd": 3.2, "ratio_fwdbwd": 3.8}
+    assert "not like for like" in bench.row_text(row)
+    assert "not like for like" not in bench.row_text({**row, "comparable": True})
