@@ -912,6 +912,17 @@ def evaluate_targets(data: dict) -> list[dict]:
 # Plot
 
 
+def plot_series(rows: list[dict], mode: str) -> dict[str, list[tuple[int, float, float | None]]]:
+    """Per label, its measured (T, ms, x against the case's ratio base) in `mode`, by T."""
+    series = {}
+    for label in dict.fromkeys(r["label"] for r in rows):
+        points = sorted((r["seq_len"], r[mode]["ms"], r.get(f"ratio_{mode}"))
+                        for r in rows if r["label"] == label and r[mode].get("ms"))
+        if points:
+            series[label] = points
+    return series
+
+
 def plot(data: dict, path: str, log) -> None:
     try:
         import matplotlib
@@ -931,10 +942,13 @@ def plot(data: dict, path: str, log) -> None:
         rows = [r for r in data["rows"] if r["case"] == case and "label" in r]
         for j, mode in enumerate(MODES):
             ax = axes[i][j]
-            for label in dict.fromkeys(r["label"] for r in rows):
-                points = sorted((r["seq_len"], r[mode]["ms"]) for r in rows if r["label"] == label and r[mode].get("ms"))
-                if points:
-                    ax.plot(*zip(*points), marker="o", label=label, linestyle="--" if label.startswith(("cuDNN", "dense")) else "-")
+            for label, points in plot_series(rows, mode).items():
+                line, = ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label,
+                                linestyle="--" if label.startswith(("cuDNN", "dense")) else "-")
+                for seq_len, ms, ratio in points:  # the table's x beside each point
+                    if ratio is not None:
+                        ax.annotate(f"{ratio:.3g}x", (seq_len, ms), textcoords="offset points", xytext=(4, 3),
+                                    fontsize=7, color=line.get_color())
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_title(f"{case}, {MODE_TEXT[mode]}")
@@ -956,9 +970,13 @@ def plot(data: dict, path: str, log) -> None:
             ax.set_title(f"coldstart, {MODE_TEXT[mode]}")
             ax.legend(fontsize=7)
     s = data["settings"]
+    timing = data.get("timing", {})
     fig.suptitle(f"B={s['batch']} HQ={s['q_heads']} HKV={s['kv_heads']} D={s['head_dim']} {s['dtype']}, blocks of "
-                 f"{s['block']}, {s['selected']} selected, window {s['window']} ({data['versions'].get('device', '')})")
-    fig.tight_layout(rect=(0, 0, 1, 0.98))
+                 f"{s['block']}, {s['selected']} selected, window {s['window']}, seed {s['seed']} "
+                 f"({data['versions'].get('device', '')}, git {data['versions'].get('git')})\n"
+                 f"median ms over up to {timing.get('batches')} batches of back-to-back calls; beside each point, "
+                 "x = ms / the case's nsa_dsl ratio base ms (above 1: nsa_dsl faster)", fontsize=9)
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
     fig.savefig(path, dpi=100)
     plt.close(fig)
     log(f"plot written to {path}")

@@ -121,3 +121,13 @@ def test_bench_gpu_table_marks_rows_that_compute_another_function():
            "fwd": {"ms": 58.2}, "fwdbwd": {"ms": 221.5}, "ratio_fwd": 3.2, "ratio_fwdbwd": 3.8}
     assert "not like for like" in bench.row_text(row)
     assert "not like for like" not in bench.row_text({**row, "comparable": True})
+
+
+def test_bench_gpu_plot_carries_each_points_ratio():
+    """The PNG's series hold each point's x against the ratio base (drawn beside the point), not
+    only its ms; a mode a row did not measure has no point."""
+    bench = bench_gpu_module()
+    rows = [{"label": "FLA", "seq_len": t, "fwd": {"ms": ms}, "fwdbwd": {"error": "x"}, "ratio_fwd": ratio}
+            for t, ms, ratio in ((65536, 21.6, 1.46), (8192, 2.5, 1.2))]
+    assert bench.plot_series(rows, "fwd") == {"FLA": [(8192, 2.5, 1.2), (65536, 21.6, 1.46)]}
+    assert bench.plot_series(rows, "fwdbwd") == {}
