@@ -538,6 +538,11 @@ def compare_pair(ours: Outcome, theirs: Outcome, baselines: dict) -> tuple[dict,
                      net_rss=net_theirs / net_ours, output_difference=compare_outputs(ours, theirs))
         text = (f"{prefix} time {entry['time']:.1f}x, peak RSS {entry['peak_rss']:.1f}x, "
                 f"net RSS {entry['net_rss']:.1f}x")
+        eager = [o.run.impl for o in (ours, theirs) if o.execution == "eager"]
+        if eager:
+            # An eager run times op-by-op dispatch as well: the time ratio is not jit against jit.
+            entry["eager"] = eager
+            text += f" ({' and '.join(eager)} eager: not jitted, op-by-op dispatch timed too)"
         if entry["output_difference"]:
             text += "; max |nsa_dsl - ejkernel| " + ", ".join(
                 f"{name} {d['max_abs_diff']:.1e} (values up to {d['max_abs_ejkernel']:.2g})"

@@ -5,6 +5,7 @@ not benchmarks. Peers absent here (FLA, ejkernel, FlexAttention) are error rows 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -131,3 +132,26 @@ def test_bench_gpu_plot_carries_each_points_ratio():
             for t, ms, ratio in ((65536, 21.6, 1.46), (8192, 2.5, 1.2))]
     assert bench.plot_series(rows, "fwd") == {"FLA": [(8192, 2.5, 1.2), (65536, 21.6, 1.46)]}
     assert bench.plot_series(rows, "fwdbwd") == {}
+
+
+def test_bench_cpu_ratio_line_says_when_a_side_ran_eagerly():
+    """ejkernel's g_cmp path cannot be jitted: a time ratio of its eager run against our jitted
+    one says so on the ratio line and in the JSON entry, not only in the table's status column."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import bench_cpu
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    run = bench_cpu.Run(case="c", impl="nsa_dsl", path="full", mode="fwd", B=1, T=512, HQ=4, HKV=1, D=32, S=4,
+                        block=64, repeats=3, warmup=1, seed=0, save_outputs=False, time_budget_s=1.0)
+    ours = bench_cpu.Outcome(run=run, execution="jit", median_ms=10.0, peak_rss_mb=500.0)
+    baselines = {"nsa_dsl": 400.0, "ejkernel": 450.0}
+    for execution in ("eager", "jit"):
+        theirs = bench_cpu.Outcome(run=dataclasses.replace(run, impl="ejkernel"), execution=execution,
+                                   median_ms=1000.0, peak_rss_mb=5000.0)
+        entry, text = bench_cpu.compare_pair(ours, theirs, baselines)
+        assert entry["time"] == 100.0
+        if execution == "eager":
+            assert entry["eager"] == ["ejkernel"] and "ejkernel eager" in text, text
+        else:
+            assert "eager" not in entry and "eager" not in text, text
