@@ -81,6 +81,9 @@ CASES = ("coldstart", "selection", "nsa", "window", "causal")
 IMPLS = ("ours-triton", "ours-pallas", "ours-xla", "fla", "ejkernel", "cudnn", "flex")
 MODES = ("fwd", "fwdbwd")
 MODE_TEXT = {"fwd": "fwd", "fwdbwd": "fwd+bwd"}
+# Where a row's sampled values differ from its ratio base's, per mode: the forward's output, and
+# forward+backward's dq.
+PROBE_KEYS = {"fwd": "max_abs_diff_vs_baseline", "fwdbwd": "max_abs_diff_dq_vs_baseline"}
 
 NSA_PATTERN = """\
 # Native Sparse Attention at the benchmark's setting: compression with l = d = {block}, top-{selected}
@@ -525,8 +528,13 @@ def measure_jax(spec: RowSpec, x: Inputs, mode: str, timing: dict) -> tuple[dict
         fn = jax.jit(forward_backward_of(forward))
         args = (x.q, x.k, x.v, x.do, *extra)
     result = measure(lambda: fn(*args), jax.block_until_ready, **timing)
-    probe = x.take_probe(fn(*args)) if mode == "fwd" else None
-    return result, probe
+    # The forward's sampled output; forward+backward's sampled dq (output[1][0]), so that a row
+    # whose backward computes something else is seen as well. A probe that fails leaves the time.
+    try:
+        output = fn(*args)
+        return result, x.take_probe(output if mode == "fwd" else output[1][0])
+    except Exception as err:  # noqa: BLE001
+        return {**result, "probe_error": error_text(err)}, None
 
 
 class TorchWorker:
@@ -599,12 +607,13 @@ def measure_torch(worker: TorchWorker, spec: RowSpec, case: str, x: Inputs, mode
     answer = worker.request({
         "impl": spec.impl, "case": case, "mode": mode, "inputs": x.export(), "timing": timing,
         "settings": {"block": s.block, "selected": s.selected, "window": s.window, "scale": s.scale},
-        "probe": x.probe if mode == "fwd" else None,
+        "probe": x.probe,
     }, timeout)
     if not answer.get("ok"):
         raise RuntimeError(answer.get("error", "the worker failed"))
     probe = answer.get("probe")
-    return answer["result"], None if probe is None else np.asarray(probe, np.float32)
+    result = {**answer["result"], **({"probe_error": answer["probe_error"]} if answer.get("probe_error") else {})}
+    return result, None if probe is None else np.asarray(probe, np.float32)
 
 
 class Runner:
@@ -656,30 +665,32 @@ class Runner:
         if figures:
             log(figures)
         log(f"{'implementation':<46}{'fwd ms':>10}{'f+b ms':>10}{'x fwd':>7}{'x f+b':>7}{'TFLOP/s':>9}{'req TB/s':>9}"
-            f"{'max|d|':>9}  (x = ms / nsa_dsl's ms: above 1, ours faster)")
-        baseline, baseline_probe = None, None
+            f"{'max|d|':>9}{'dq|d|':>9}  (x = ms / nsa_dsl's ms: above 1, ours faster; "
+            "|d|: largest difference of sampled o / dq from the ratio base's)")
+        baseline, baseline_probes = None, {}
         for spec in specs:
-            row, probe = self.run_row(case, spec, x, works[(spec.work_case or case, spec.variant)])
+            row, probes = self.run_row(case, spec, x, works[(spec.work_case or case, spec.variant)])
             if baseline is None and spec.baseline and any(row[m].get("ms") for m in MODES):
-                baseline, baseline_probe = row, probe
+                baseline, baseline_probes = row, probes
                 row["baseline"] = True
             finish_row(row, baseline)
-            if row is not baseline and spec.comparable and probe is not None and baseline_probe is not None:
-                row["max_abs_diff_vs_baseline"] = float(np.max(np.abs(baseline_probe.astype(np.float64) - probe)))
+            if row is not baseline and spec.comparable:
+                for mode, key in PROBE_KEYS.items():
+                    if probes.get(mode) is not None and baseline_probes.get(mode) is not None:
+                        row[key] = float(np.max(np.abs(baseline_probes[mode].astype(np.float64) - probes[mode])))
             log(row_text(row))
             self.report.add("rows", row)
 
-    def run_row(self, case: str, spec: RowSpec, x: Inputs, entry: dict) -> tuple[dict, np.ndarray | None]:
-        """The row's measurements, and its forward's sampled outputs (None if it has none)."""
+    def run_row(self, case: str, spec: RowSpec, x: Inputs, entry: dict) -> tuple[dict, dict]:
+        """The row's measurements, and per mode its sampled output (fwd) or dq (fwdbwd) where it has one."""
         row = {"case": case, "seq_len": x.seq_len, "impl": spec.impl, "variant": spec.variant, "label": spec.label,
                "comparable": spec.comparable, "work": {k: entry[k] for k in entry if k not in ("case", "variant", "seq_len")}}
-        probe = None
+        probes = {}
         for mode in MODES:
             key = (spec.memo, x.seq_len, mode)
             if spec.memo and key in self.memo:
-                result, memo_probe = self.memo[key]
+                result, probes[mode] = self.memo[key]
                 row[mode] = {**result, "reused": True}
-                probe = memo_probe if memo_probe is not None else probe
                 continue
             left = self.budget.left()
             if left < self.args.min_left_s:
@@ -696,10 +707,10 @@ class Runner:
                 row[mode] = {"error": error_text(err)}
                 self.report.log(f"  [{spec.label} {MODE_TEXT[mode]}] {error_text(err)}")
                 traceback.print_exc(limit=3)
-            probe = mode_probe if mode_probe is not None else probe
+            probes[mode] = mode_probe
             if spec.memo:
                 self.memo[key] = (row[mode], mode_probe)
-        return row, probe
+        return row, probes
 
 
 def finish_row(row: dict, baseline: dict | None) -> None:
@@ -736,7 +747,8 @@ def row_text(row: dict) -> str:
     text = (f"{row['label'][:45]:<46}" + cell(ms(fwd.get('ms')), 10) + cell(ms(fb.get('ms')), 10)
             + cell(num(row.get('ratio_fwd'), '.3g'), 7) + cell(num(row.get('ratio_fwdbwd'), '.3g'), 7)
             + cell(num(fwd.get('tflops'), '.3g'), 9) + cell(num(fwd.get('requested_tb_per_s'), '.3g'), 9)
-            + cell(num(row.get('max_abs_diff_vs_baseline'), '.1e'), 9))
+            + cell(num(row.get('max_abs_diff_vs_baseline'), '.1e'), 9)
+            + cell(num(row.get('max_abs_diff_dq_vs_baseline'), '.1e'), 9))
     notes = []
     if row.get("baseline"):
         notes.append("ratio base")

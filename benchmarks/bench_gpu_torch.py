@@ -7,7 +7,8 @@ request a line on stdin, answers one JSON line on stdout:
   request  {"impl": "fla" | "flex", "case": "selection" | "nsa" | "window", "mode": "fwd" | "fwdbwd",
             "inputs": DIR, "settings": {"block": ..., "selected": ..., "window": ..., "scale": ...},
             "probe": {"tokens": [...], "heads": [...], "dims": N} | null, "timing": {measure()'s options}}
-  answer   {"ok": true, "result": {timing.measure()'s dict}, "probe": [[[...]]] | null}
+  answer   {"ok": true, "result": {timing.measure()'s dict}, "probe": [[[...]]] | null (fwd: o's samples,
+            fwdbwd: dq's), "probe_error": "..." where taking them failed}
            {"ok": false, "error": "...", "traceback": "..."}
 
 The first line it writes is {"ready": true, "versions": {...}}, or {"ready": false, "error": ...}
@@ -146,15 +147,27 @@ class Worker:
                 out = forward()
                 return out, torch.autograd.grad(out, leaves, d_out.to(out.dtype))
         result = measure(call, self.sync, **timing)
-        probe = None
-        if request.get("probe") and mode == "fwd":
-            spec = request["probe"]
-            with torch.no_grad():
-                out = forward()
-            tokens = torch.tensor(spec["tokens"], device=out.device)
-            heads = torch.tensor(spec["heads"], device=out.device)
-            probe = out[0].index_select(0, tokens).index_select(1, heads)[..., : spec["dims"]].float().cpu().tolist()
-        return {"ok": True, "result": result, "probe": probe}
+        answer = {"ok": True, "result": result, "probe": None}
+        if request.get("probe"):
+            # The forward's sampled output, or forward+backward's sampled dq ([B, T, HQ, D]; Flex's
+            # comes as [B, HQ, T, D]). A probe that fails leaves the timing standing.
+            try:
+                spec = request["probe"]
+                if mode == "fwd":
+                    with torch.no_grad():
+                        out = forward()
+                else:
+                    out = call()[1][0]
+                    if impl == "flex":
+                        out = out.transpose(1, 2)
+                tokens = torch.tensor(spec["tokens"], device=out.device)
+                heads = torch.tensor(spec["heads"], device=out.device)
+                answer["probe"] = (out[0].index_select(0, tokens).index_select(1, heads)[..., : spec["dims"]]
+                                   .float().cpu().tolist())
+            except Exception as err:  # noqa: BLE001 - the row keeps its time, without a probe
+                answer["probe_error"] = error_text(err)
+                traceback.print_exc(limit=6)
+        return answer
 
 
 def versions(device: str) -> dict:

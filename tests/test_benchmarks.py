@@ -48,6 +48,12 @@ def test_bench_gpu_times_every_nsa_dsl_row(tmp_path):
         for mode in ("fwd", "fwdbwd"):
             assert row[mode].get("ms", 0) > 0, (row["case"], row["seq_len"], mode, row[mode])
     assert result["coldstart"] and all(entry["warm_s"] > 0 for entry in result["coldstart"])
+    # The rows that compute what ours compute (dense window and dense causal, in float32 here)
+    # agree with it in the forward's output and in forward+backward's dq, and both are checked.
+    checked = [row for row in result["rows"] if row["impl"] == "cudnn" and row["case"] in ("window", "causal")]
+    assert len(checked) == 4
+    for row in checked:
+        assert row["max_abs_diff_vs_baseline"] < 1e-4 and row["max_abs_diff_dq_vs_baseline"] < 1e-4, row
 
 
 def test_ncu_stall_groups_sums_each_kernels_samples_by_execution_count(tmp_path):
@@ -90,9 +96,9 @@ def test_bench_gpu_table_cells_stay_apart_whatever_their_width():
     bench = bench_gpu_module()
     row = {"label": "nsa_dsl pallas", "fwd": {"ms": 6.354, "tflops": 0.00187, "requested_tb_per_s": 0.000351},
            "fwdbwd": {"ms": 10.513}, "ratio_fwd": 0.0036812, "ratio_fwdbwd": 0.0026612,
-           "max_abs_diff_vs_baseline": 4.8e-07}
+           "max_abs_diff_vs_baseline": 4.8e-07, "max_abs_diff_dq_vs_baseline": 1.2e-06}
     fields = bench.row_text(row).split()
-    assert fields[2:] == ["6.354", "10.513", "0.00368", "0.00266", "0.00187", "0.000351", "4.8e-07"], fields
+    assert fields[2:] == ["6.354", "10.513", "0.00368", "0.00266", "0.00187", "0.000351", "4.8e-07", "1.2e-06"], fields
 
 
 def test_bench_gpu_targets_of_64k_are_judged_at_64k_only():
