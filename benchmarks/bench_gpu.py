@@ -154,6 +154,7 @@ class Report:
             "ceilings": {"hbm_bytes_per_s": HBM_BYTES_PER_S, "matmul_flops_per_s": MATMUL_FLOPS_PER_S,
                          "fwdbwd_flop_factor": FWDBWD_FLOP_FACTOR},
             "issue4_figures": {"lengths": ISSUE4_LENGTHS, **ISSUE4_FIGURES},
+            "environment": run_environment(),
             "versions": {}, "work": [], "rows": [], "coldstart": [], "targets": [],
         }
         with open(self.log_path, "w"):
@@ -206,6 +207,15 @@ def start_watchdog(report: Report, budget: Budget, grace_s: float, on_stop) -> N
             os._exit(3)
 
     threading.Thread(target=watch, daemon=True).start()
+
+
+# Variables that change what runs or how fast (nsa_dsl's kernel choices and shares, XLA's and
+# Triton's flags, the visible GPUs, PyTorch's allocator): the log and the JSON name those set.
+ENVIRONMENT_PREFIXES = ("NSA_DSL_", "XLA_", "JAX_", "TF_", "TRITON_", "CUDA_", "NVIDIA_TF32", "PYTORCH_", "TORCH")
+
+
+def run_environment() -> dict:
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENVIRONMENT_PREFIXES)}
 
 
 def timing_options(args: argparse.Namespace) -> dict:
@@ -1105,6 +1115,8 @@ def main(argv=None) -> None:
         f"implementation), window {s.window}, T = {', '.join(map(str, s.lengths))}; nsa_dsl xla rows in "
         f"{','.join(s.xla_cases)} at T <= {s.xla_max_len}")
     log(f"cases: {', '.join(args.cases)}; implementations: {', '.join(args.impls)}; budget {args.budget_s:.0f} s")
+    log("environment: " + (" ".join(f"{k}={v}" for k, v in report.data["environment"].items()) or "(none of "
+                           + ", ".join(f"{p}*" for p in ENVIRONMENT_PREFIXES) + " set)"))
     log(f"timing: median over up to {args.batches} batches of back-to-back calls (~{args.min_batch_ms:.0f} ms and at "
         f"least {MIN_CALLS_PER_BATCH} calls a batch, {args.time_cap_s:.2g} s cap), device-synchronised; first call "
         "(compile) reported apart")

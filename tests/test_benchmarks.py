@@ -41,6 +41,7 @@ def test_bench_gpu_times_every_nsa_dsl_row(tmp_path):
     forward+backward timed, its cold start measured, the run complete."""
     result = dry_run("bench_gpu.py", tmp_path)
     assert result["status"] == "complete"
+    assert "XLA_PYTHON_CLIENT_PREALLOCATE" in result["environment"]  # the script sets it: recorded
     ours = [row for row in result["rows"] if row["impl"] == "ours-xla"]
     assert {(row["case"], row["seq_len"]) for row in ours} == {
         (case, length) for case in ("selection", "nsa", "window", "causal") for length in (128, 256)}
@@ -161,3 +162,15 @@ def test_bench_cpu_ratio_line_says_when_a_side_ran_eagerly():
             assert entry["eager"] == ["ejkernel"] and "ejkernel eager" in text, text
         else:
             assert "eager" not in entry and "eager" not in text, text
+
+
+def test_bench_gpu_records_the_variables_that_change_what_runs(monkeypatch):
+    """NSA_DSL_* (kernel choices, memory shares), XLA_FLAGS and the like change what is timed: a
+    run names those set, so a number can be traced to them; unrelated variables stay out."""
+    bench = bench_gpu_module()
+    monkeypatch.setenv("NSA_DSL_HOPPER", "0")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=")
+    monkeypatch.setenv("UNRELATED_SECRET", "x")
+    found = bench.run_environment()
+    assert found["NSA_DSL_HOPPER"] == "0" and found["XLA_FLAGS"] == "--xla_gpu_enable_command_buffer="
+    assert "UNRELATED_SECRET" not in found
