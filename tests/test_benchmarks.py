@@ -174,3 +174,45 @@ def test_bench_gpu_records_the_variables_that_change_what_runs(monkeypatch):
     found = bench.run_environment()
     assert found["NSA_DSL_HOPPER"] == "0" and found["XLA_FLAGS"] == "--xla_gpu_enable_command_buffer="
     assert "UNRELATED_SECRET" not in found
+
+
+def test_bench_gpu_rows_measured_before_the_ratio_base_get_their_ratios(tmp_path, monkeypatch):
+    """Where the first nsa_dsl row fails (triton's native_sparse_attention), the base is the next
+    platform's; a row measured between them (triton's .nsa pattern) still gets its x, and the peers
+    after the base theirs, in the JSON and in the table."""
+    import argparse
+
+    bench = bench_gpu_module()
+    specs = [bench.RowSpec("ours-triton", "native", "triton native", "jax", baseline=True),
+             bench.RowSpec("ours-triton", "pattern", "triton pattern", "jax", comparable=False),
+             bench.RowSpec("ours-pallas", "native", "pallas native", "jax", baseline=True),
+             bench.RowSpec("fla", "native", "FLA", "torch", comparable=False)]
+    times = {"triton native": None, "triton pattern": 20.0, "pallas native": 40.0, "FLA": 60.0}
+    monkeypatch.setattr(bench, "row_specs", lambda case, s, seq_len: specs)
+    monkeypatch.setattr(bench, "work", lambda case, variant, x: {"case": case, "variant": variant, "flops_fwd": 1e9,
+                                                                    "flops_fwdbwd": 3.5e9, "compulsory_bytes": 1,
+                                                                    "ms_at_matmul_peak_fwd": 1.0})
+
+    def run_row(self, case, spec, x, entry):
+        ms = times[spec.label]
+        cell = {"ms": ms} if ms else {"error": "RuntimeError: failed"}
+        return {"case": case, "seq_len": x.seq_len, "impl": spec.impl, "variant": spec.variant, "label": spec.label,
+                "comparable": spec.comparable, "work": entry, "fwd": dict(cell), "fwdbwd": dict(cell)}, {}
+
+    monkeypatch.setattr(bench.Runner, "run_row", run_row)
+    args = argparse.Namespace(impls=[s.impl for s in specs], cases=["nsa"], budget_s=60.0, batches=3,
+                              min_batch_ms=5.0, time_cap_s=0.3, work_dir=str(tmp_path))
+    report = bench.Report(str(tmp_path), bench.DRY_RUN, args)
+    runner = bench.Runner(bench.DRY_RUN, args, report, bench.Budget(60.0))
+    runner.worker = None
+    try:
+        runner.run_case("nsa", argparse.Namespace(seq_len=128))
+    finally:
+        runner.close()
+    rows = {row["label"]: row for row in json.loads((tmp_path / "bench_gpu.json").read_text())["rows"]}
+    assert rows["pallas native"].get("baseline") and "ratio_fwd" not in rows["triton native"]
+    assert rows["triton pattern"]["ratio_fwd"] == 0.5 and rows["triton pattern"]["ratio_fwdbwd"] == 0.5
+    assert rows["FLA"]["ratio_fwd"] == 1.5
+    log = (tmp_path / "bench_gpu.log").read_text()
+    assert "against the ratio base found below them (pallas native)" in log
+    assert any(line.startswith("triton pattern") and " 0.5 " in line for line in log.splitlines())
