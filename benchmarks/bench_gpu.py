@@ -211,7 +211,8 @@ def start_watchdog(report: Report, budget: Budget, grace_s: float, on_stop) -> N
 
 # Variables that change what runs or how fast (nsa_dsl's kernel choices and shares, XLA's and
 # Triton's flags, the visible GPUs, PyTorch's allocator): the log and the JSON name those set.
-ENVIRONMENT_PREFIXES = ("NSA_DSL_", "XLA_", "JAX_", "TF_", "TRITON_", "CUDA_", "NVIDIA_TF32", "PYTORCH_", "TORCH")
+ENVIRONMENT_PREFIXES = ("NSA_DSL_", "XLA_", "JAX_", "TF_GPU_", "TF_FORCE_GPU_", "TF_CUDNN_", "TRITON_", "CUDA_",
+                        "NVIDIA_TF32", "PYTORCH_", "TORCH")
 
 
 def run_environment() -> dict:

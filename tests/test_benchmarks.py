@@ -170,10 +170,13 @@ def test_bench_gpu_records_the_variables_that_change_what_runs(monkeypatch):
     bench = bench_gpu_module()
     monkeypatch.setenv("NSA_DSL_HOPPER", "0")
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=")
+    monkeypatch.setenv("TF_GPU_ALLOCATOR", "cuda_malloc_async")
     monkeypatch.setenv("UNRELATED_SECRET", "x")
+    monkeypatch.setenv("TF_CLI_CONFIG_FILE", "/root/.terraformrc")  # Terraform's, not XLA's
     found = bench.run_environment()
     assert found["NSA_DSL_HOPPER"] == "0" and found["XLA_FLAGS"] == "--xla_gpu_enable_command_buffer="
-    assert "UNRELATED_SECRET" not in found
+    assert found["TF_GPU_ALLOCATOR"] == "cuda_malloc_async"
+    assert "UNRELATED_SECRET" not in found and "TF_CLI_CONFIG_FILE" not in found
 
 
 def test_bench_gpu_rows_measured_before_the_ratio_base_get_their_ratios(tmp_path, monkeypatch):
