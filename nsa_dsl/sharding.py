@@ -83,6 +83,22 @@ def _whole_sequence(plan: p.Plan, query, key, value, sequence_axis: AxisName, op
     return key, value, shard
 
 
+# SparseAttention's arguments for a shard of the queries against a key/value cache. A
+# ShardedAttention shards whole sequences itself, so it has no place for them; its **extra_gates
+# would take them for gates and the validation blame a gate name or the keys' length.
+_DECODING_ARGUMENTS = ("query_offset", "scoring_query", "compressed")
+
+
+def _refuse_decoding_arguments(given: Mapping[str, object]) -> None:
+    for name in _DECODING_ARGUMENTS:
+        if given.get(name) is not None:
+            raise ValueError(
+                f"{name}: a ShardedAttention attends whole sequences (context parallelism places each shard's "
+                f"queries itself); to decode against a cache with the batch or the heads sharded, call the "
+                f"SparseAttention with {name}= inside your own jax.shard_map (it needs no communication)"
+            )
+
+
 def _names(axis: AxisName) -> tuple[str, ...]:
     return () if axis is None else (axis,) if isinstance(axis, str) else tuple(axis)
 
@@ -155,6 +171,7 @@ class ShardedAttention:
         query [B, T, HQ, D], key/value [B, T, HKV, D], gates [B, T, HQ], block_indices
         [B, T, HKV, S], block_counts int or [B, T, HKV], cu_seqlens [N + 1] (B == 1) ->
         [B, T, HQ, D] sharded by `spec`. jit- and grad-safe."""
+        _refuse_decoding_arguments(extra_gates)
         gates = {"g_cmp": g_cmp, "g_slc": g_slc, "g_swa": g_swa, **extra_gates}
         given = dispatch.inputs(self.plan, query, key, value, gates=gates, cu_seqlens=cu_seqlens,
                                 softmax_scale=softmax_scale, block_indices=block_indices, block_counts=block_counts)
@@ -195,6 +212,7 @@ class ShardedAttention:
         """The attention of one device's blocks, inside your own `jax.shard_map` over a mesh
         with this object's axis names, the arguments partitioned by `spec` / `gate_spec`
         (cu_seqlens and softmax_scale replicated). Returns this device's output block."""
+        _refuse_decoding_arguments(extra_gates)
         gates = {"g_cmp": g_cmp, "g_slc": g_slc, "g_swa": g_swa, **extra_gates}
         return attend_shard(
             self.plan, query, key, value, sequence_axis=self.sequence_axis, gates=gates, cu_seqlens=cu_seqlens,

@@ -276,6 +276,24 @@ def test_sharding_errors(rng):
         on_tpu(q, k, v, platform="pallas", **gates)
 
 
+@in_worker
+def test_decoding_arguments_are_refused_by_name(rng):
+    """SparseAttention's decoding arguments (query_offset, scoring_query, compressed) are not
+    ShardedAttention's: a call or per_shard given one says so and where decoding runs, rather than
+    calling it an unknown gate or blaming the keys' length."""
+    attention, _ = scaled_nsa()
+    seq_len, heads_q, heads_kv, head_dim = 40, 4, 2, 8
+    q, k, v = qkv(rng, 2, seq_len, heads_q, heads_kv, head_dim)
+    gates = nsa_gates(rng, 2, seq_len, heads_q)
+    step_gates = {name: g[:, 7:8] for name, g in gates.items()}
+    layer = attention.sharded(mesh(tp=2), head_axis="tp")
+    for name, value in (("query_offset", 7), ("scoring_query", q), ("compressed", attention.compress(k, v))):
+        for call in (layer, layer.per_shard):
+            for rows, given_gates in ((slice(7, 8), step_gates), (slice(None), gates)):
+                with pytest.raises(ValueError, match=rf"^{name}: a ShardedAttention attends whole sequences.*shard_map"):
+                    call(q[:, rows], k, v, **{name: value}, **given_gates)
+
+
 
 @in_worker
 @pytest.mark.parametrize("platform", ["triton", "pallas"])
