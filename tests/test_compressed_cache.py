@@ -501,6 +501,10 @@ def test_bad_compressed_caches_are_refused(rng):
     ):
         with pytest.raises(ValueError, match=message):
             call(compressed)
+    # A step that forgot its query_offset: the message says what the longer keys need.
+    with pytest.raises(ValueError, match=r"key must be \[batch=2, seq_len=1, .* got shape \(2, 40, 2, 16\): fewer "
+                                         r"queries than keys \(a decoding step\) need query_offset"):
+        attention(q[:, 39:], k, v, compressed=cache, g_cmp=q[:, 39:, :, 0])
     with pytest.raises(ValueError, match=r"cu_seqlens of 2 sequences\), got float32 \(1, 11, 2, 16\)"):
         attention(q[:1], k[:1], v[:1], cu_seqlens=np.array([0, 20, 40]), compressed=attention.compress(k[:1], v[:1]))
     for options, message in (

@@ -91,9 +91,11 @@ def attention_inputs(
         length_ok = x.shape[1] >= query_len if query_shard else x.shape[1] == query_len
         if x.shape[0] != batch or not length_ok or x.shape[3] != head_dim:
             length = f"seq_len >= {query_len} (query's rows are a shard of it)" if query_shard else f"seq_len={query_len}"
+            offset = (": fewer queries than keys (a decoding step) need query_offset, the key row of the first query"
+                      if not query_shard and x.shape[1] > query_len else "")
             raise ValueError(
                 f"{name} must be [batch={batch}, {length}, num_kv_heads, head_dim={head_dim}] "
-                f"like query, got shape {x.shape}"
+                f"like query, got shape {x.shape}{offset}"
             )
         if x.dtype != query.dtype:
             raise ValueError(f"{name} must have query's dtype {query.dtype}, got {x.dtype}")
