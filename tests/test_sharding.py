@@ -160,6 +160,26 @@ def test_nsa_context_parallel_shards_off_block_edges(rng):
 
 
 @in_worker
+def test_nsa_shorter_than_a_compressed_block(rng):
+    """T = 6 keys, fewer than the compress block (8): no compressed key exists. Data, head and
+    context parallel gradients equal one device's; the compression's custom_vjp (XLA's, Triton's)
+    gave the keys it pooled as zeros a cotangent varying over the mesh axes, which the zeros did
+    not (a ValueError from JAX while differentiating)."""
+    attention, _ = scaled_nsa()
+    batch, seq_len, heads_q, heads_kv, head_dim = 2, 6, 4, 2, 8
+    q, k, v = qkv(rng, batch, seq_len, heads_q, heads_kv, head_dim)
+    gates, d_out = nsa_gates(rng, batch, seq_len, heads_q), normal(rng, batch, seq_len, heads_q, head_dim)
+    single = forward_and_gradients(attention, q, k, v, gates, d_out)
+    for axes, sharding in (({"dp": 2}, {"batch_axis": "dp"}), ({"tp": 2}, {"head_axis": "tp"}),
+                           ({"sp": 2}, {"sequence_axis": "sp"}), ({"sp": 3}, {"sequence_axis": "sp"})):
+        layer = attention.sharded(mesh(**axes), **sharding)
+        assert_same(forward_and_gradients(layer, q, k, v, gates, d_out), single, str(sharding))
+    on_triton = forward_and_gradients(attention, q, k, v, gates, d_out, platform="triton")
+    layer = attention.sharded(mesh(dp=2), batch_axis="dp")
+    assert_same(forward_and_gradients(layer, q, k, v, gates, d_out, platform="triton"), on_triton, "triton, dp")
+
+
+@in_worker
 def test_nsa_context_parallel_packed_sequences_straddle_shards(rng):
     """cu_seqlens [B == 1] whose sequences start and end inside shards of 16 rows; rows past the
     last sequence belong to none."""

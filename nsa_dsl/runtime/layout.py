@@ -488,7 +488,10 @@ def pool_compressed(
     cmp_offsets = compressed_offsets(offsets, block, stride)
     first, count = rows if rows is not None else (0, compressed_rows(k.shape[0], num_seqs, stride))
     if block > k.shape[0]:  # no sequence completes a block: no key, and no [count, block] gather of nothing
-        return Compressed(*(jnp.zeros((count, *x.shape[1:]), dtype) for x in (k, v)), cmp_offsets)
+        # Inside shard_map the zeros vary over the keys' axes, as pooled keys do: the attention's
+        # custom_vjp gives them the queries' cotangent, which must match their type.
+        zeros = [jnp.zeros((count, *x.shape[1:]), dtype) for x in (k, v)]
+        return Compressed(*varying_like(zeros, (k, v)), cmp_offsets)
     row = first + jnp.arange(count, dtype=jnp.int32)
     k_blocks, v_blocks = pooled_blocks(k, v, offsets, cmp_offsets, first, count, block, stride)
     k_cmp, v_cmp = (k_blocks.mean(axis=1), v_blocks.mean(axis=1)) if pool_fn is None else pooled(pool_fn, k_blocks, v_blocks)
