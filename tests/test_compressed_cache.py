@@ -614,6 +614,33 @@ def test_the_cache_and_its_record_pass_through_jax_transformations(rng):
         jax.jit(lambda c: wider(q[:, 39:], k, v, query_offset=39, compressed=c, platform="xla", **gates))(cache)
 
 
+def test_decoding_inside_a_shard_map_over_the_batch_and_heads(rng):
+    """A server's own shard_map (batch and heads partitioned, check_vma on) builds the compressed
+    cache, updates it by new_rows and attends a step: the outputs of one call over the whole
+    sequence. Building it inside shard_map failed in JAX (its fori_loop's zero carry varied over
+    no mesh axis, the pooled windows over the keys')."""
+    source, _ = small_example("nsa")
+    attention = nsa_dsl.compile(source)
+    batch, seq_len, heads_q, heads_kv = 2, 37, 4, 2
+    q, k, v = qkv(rng, batch, seq_len, heads_q, heads_kv, 16)
+    gates = {f"g_{name}": gate(rng, batch, seq_len, heads_q) for name in NAMES}
+    whole = attention(q, k, v, platform="xla", **gates)
+    mesh = jax.make_mesh((1, 1), ("dp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    rows, heads = jax.sharding.PartitionSpec("dp", None, "tp"), jax.sharding.PartitionSpec("dp")
+
+    def step(q_new, k_cache, v_cache, gates_new, t):
+        before = (jnp.arange(seq_len) < t[:, None])[..., None, None]  # the prefill's rows
+        cache = attention.compress(jnp.where(before, k_cache, 0), jnp.where(before, v_cache, 0))
+        cache = attention.compress(k_cache, v_cache, cache=cache, new_rows=(t, 1))
+        return attention(q_new, k_cache, v_cache, query_offset=t, compressed=cache, platform="xla", **gates_new)
+
+    sharded_step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(rows, rows, rows, rows, heads), out_specs=rows))
+    for t in (3, 20, 36):
+        positions = jnp.full((batch,), t, jnp.int32)
+        out = sharded_step(q[:, t : t + 1], k, v, {n: g[:, t : t + 1] for n, g in gates.items()}, positions)
+        assert_close(out, whole[:, t : t + 1], FORWARD_TOLERANCE, f"row {t}")
+
+
 def test_the_decoding_example_matches_one_call_over_the_whole_sequence():
     """examples/decode.py (prefill, then a jitted, donating step per token) runs and its decoded
     rows equal one call over the whole sequence."""

@@ -217,7 +217,9 @@ def pool(
         if cache is None:  # every row, a window of at most POOL_BYTES of gathered blocks at a time
             block_bytes = 2 * shapes.batch * branch.block * shapes.heads_kv * shapes.head_dim * 4
             length = min(rows, max(POOL_BYTES // block_bytes, 1))
-            empty = tuple(jnp.zeros((shapes.batch, rows, shapes.heads_kv, shapes.head_dim), key.dtype) for _ in "kv")
+            # Inside shard_map the loop's carry must vary over the keys' axes from the start, as its windows do.
+            empty = tuple(layout.varying_like(
+                [jnp.zeros((shapes.batch, rows, shapes.heads_kv, shapes.head_dim), key.dtype) for _ in "kv"], (key, value)))
 
             def window(i, arrays, rows=rows, length=length, pooled_into=pooled_into):
                 return pooled_into(arrays, jnp.minimum(i * length, rows - length), length)
