@@ -73,11 +73,6 @@ def _device_memory_bytes() -> int | None:
     return (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
 
 
-def device_name() -> str:
-    """The first local device's kind, e.g. "NVIDIA H200" ("cpu" on a CPU)."""
-    return jax.local_devices()[0].device_kind
-
-
 def memory_share(variable: str, default: float) -> float:
     """A share of the device's memory: the environment variable's value (a number from 0 to 1),
     else `default`."""
