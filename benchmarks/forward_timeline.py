@@ -8,7 +8,11 @@ Nsight Compute to time each kernel it launches:
     python3 benchmarks/forward_timeline.py --summarise ncu.csv
 
 The summary lists each kernel's time in launch order and their sum (ncu runs kernels one at a time,
-so the sum is close to, not equal to, the forward's time back to back).
+so the sum is close to, not equal to, the forward's time back to back). Where the csv also holds
+`dram__bytes_read.sum`, `dram__bytes_write.sum` and `lts__t_sector_hit_rate.pct` (add them to
+--metrics; `--print-units base` or not), each kernel's HBM bytes and L2 hit rate are listed too.
+`--constants "SEGMENT_ROWS=2048,LAUNCH.<kernel>=4x1"` profiles the forward with those constants of
+the generated modules (module_constants.py), e.g. to compare a setting's kernels beside main's.
 """
 
 from __future__ import annotations
@@ -50,29 +54,42 @@ def forward_and_inputs(length: int, case: str = "nsa"):
     return forward, (q, k, v, indices)
 
 
-def profile(length: int, case: str) -> None:
+def profile(length: int, case: str, constants: str = "") -> None:
     import jax
+    from module_constants import module_constants, parse_variant
 
-    forward, args = forward_and_inputs(length, case)
-    jax.block_until_ready(forward(*args))
-    cuda = ctypes.CDLL("libcuda.so.1")
-    cuda.cuProfilerStart()
-    jax.block_until_ready(forward(*args))
-    cuda.cuProfilerStop()
+    with module_constants(parse_variant(constants)):
+        forward, args = forward_and_inputs(length, case)
+        jax.block_until_ready(forward(*args))
+        cuda = ctypes.CDLL("libcuda.so.1")
+        cuda.cuProfilerStart()
+        jax.block_until_ready(forward(*args))
+        cuda.cuProfilerStop()
     print(f"forward_timeline: {case} T={length}: profiled one forward", file=sys.stderr, flush=True)
+
+
+# ncu's units, to ms, GB and percent.
+UNITS = {"ns": 1e-6, "nsecond": 1e-6, "us": 1e-3, "usecond": 1e-3, "ms": 1.0, "msecond": 1.0,
+         "byte": 1e-9, "Kbyte": 1e-6, "Mbyte": 1e-3, "Gbyte": 1.0, "%": 1.0}
 
 
 def summarise(path: str) -> None:
     with open(path) as f:
         lines = [line for line in f if line.startswith('"')]  # ncu's csv rows, not the program's output
-    rows = [r for r in csv.DictReader(lines) if r["Metric Name"] == "gpu__time_duration.sum"]
-    scale = {"ns": 1e-6, "nsecond": 1e-6, "us": 1e-3, "usecond": 1e-3, "ms": 1.0, "msecond": 1.0}
+    kernels: dict[str, dict] = {}  # by ncu's launch ID, in launch order
+    for row in csv.DictReader(lines):
+        kernel = kernels.setdefault(row["ID"], {"name": row["Kernel Name"]})
+        kernel[row["Metric Name"]] = float(row["Metric Value"].replace(",", "")) * UNITS[row["Metric Unit"]]
     total = 0.0
-    for row in rows:
-        ms = float(row["Metric Value"].replace(",", "")) * scale[row["Metric Unit"]]
+    for kernel in kernels.values():
+        ms = kernel["gpu__time_duration.sum"]
         total += ms
-        print(f"{ms:9.3f} ms  {row['Kernel Name'][:100]}")
-    print(f"{total:9.3f} ms  the sum of {len(rows)} kernels")
+        traffic = ""
+        if "dram__bytes_read.sum" in kernel:
+            traffic = (f"  HBM read {kernel['dram__bytes_read.sum']:6.2f} GB write {kernel['dram__bytes_write.sum']:6.2f} GB"
+                       f"  L2 hits {kernel['lts__t_sector_hit_rate.pct']:5.1f}%")
+        print(f"{ms:9.3f} ms{traffic}  {kernel['name'][:100]}")
+    print(f"{total:9.3f} ms  the sum of {len(kernels)} kernels")
 
 
 def main() -> None:
@@ -80,11 +97,12 @@ def main() -> None:
     parser.add_argument("length", nargs="?", type=int, default=65536)
     parser.add_argument("--case", choices=("nsa", "selection"), default="nsa")
     parser.add_argument("--summarise", metavar="CSV", help="print the kernel times of an ncu csv instead")
+    parser.add_argument("--constants", default="", help="generated modules' constants, as module_constants.py reads them")
     args = parser.parse_args()
     if args.summarise:
         summarise(args.summarise)
     else:
-        profile(args.length, args.case)
+        profile(args.length, args.case, args.constants)
 
 
 if __name__ == "__main__":

@@ -80,6 +80,29 @@ def test_ncu_stall_groups_sums_each_kernels_samples_by_execution_count(tmp_path)
     assert "long_sb,wait" in second and "BAR.SYNC" in second
 
 
+def test_forward_timeline_sums_kernels_and_lists_their_traffic_in_any_unit(tmp_path):
+    """ncu's csv of two kernels, one in base units and one in scaled ones, with the program's own
+    output between the rows: each kernel's time, HBM bytes and L2 hit rate, and the sum of times."""
+    head = '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"\n'
+    rows = [(0, "parts", "gpu__time_duration.sum", "nsecond", "8,237,000"),
+            (0, "parts", "dram__bytes_read.sum", "byte", "5,120,000,000"),
+            (0, "parts", "dram__bytes_write.sum", "byte", "17,420,000,000"),
+            (0, "parts", "lts__t_sector_hit_rate.pct", "%", "81.5"),
+            (1, "merge", "gpu__time_duration.sum", "msecond", "4.45"),
+            (1, "merge", "dram__bytes_read.sum", "Gbyte", "18.53"),
+            (1, "merge", "dram__bytes_write.sum", "Mbyte", "1,070"),
+            (1, "merge", "lts__t_sector_hit_rate.pct", "%", "6.0")]
+    text = "==PROF== Connected\n" + head + "".join(f'"{i}","{k}","{m}","{u}","{v}"\n' for i, k, m, u, v in rows)
+    (tmp_path / "ncu.csv").write_text(text.replace('"1","merge","gpu', 'forward_timeline: profiled\n"1","merge","gpu'))
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "forward_timeline.py"), "--summarise",
+                             str(tmp_path / "ncu.csv")], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    parts, merge, total = result.stdout.splitlines()
+    assert parts.split() == ["8.237", "ms", "HBM", "read", "5.12", "GB", "write", "17.42", "GB", "L2", "hits", "81.5%", "parts"]
+    assert merge.split() == ["4.450", "ms", "HBM", "read", "18.53", "GB", "write", "1.07", "GB", "L2", "hits", "6.0%", "merge"]
+    assert total.split()[:2] == ["12.687", "ms"] and total.endswith("the sum of 2 kernels")
+
+
 def bench_gpu_module():
     """benchmarks/bench_gpu.py imported as a module (its functions, without running it)."""
     import importlib.util
