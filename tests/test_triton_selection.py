@@ -131,6 +131,27 @@ def test_key_block_outer_rows_inside_their_own_block(rng, monkeypatch, block_out
     assert "selection_forward_by_block" in launches, launches
 
 
+@pytest.mark.parametrize("seq_len, sequences", [(70, 7), (200, 21)])
+def test_key_block_outer_programs_reach_the_last_block_of_many_short_sequences(rng, monkeypatch, block_outer_forward,
+                                                                               seq_len, sequences):
+    """Packed sequences of 9 rows in blocks of 8 (each a partial last block, so block ids run ahead
+    of rows) and rows past the last one, in segments of 16 rows (5 and 13: block_outer_work finds
+    its segment in 3 and 4 halvings): every token takes its own block first. The forward launches
+    programs only for the blocks a segment's rows may select; at 7 sequences the last segment's
+    rows select the latest of those, so a bound short by one block fails there."""
+    block = 8
+    cu_seqlens = np.arange(0, 9 * sequences + 1, 9, dtype=np.int32)
+    q, k, v = qkv(rng, 1, seq_len, 4, 1, 32, dtype=np.float32)
+    indices = random_indices(rng, 1, seq_len, 1, 3, block, cu_seqlens)
+    starts = np.repeat(cu_seqlens[:-1], np.diff(cu_seqlens))
+    indices[0, :cu_seqlens[-1], :, 0] = ((np.arange(cu_seqlens[-1]) - starts) // block)[:, None]
+    counts = np.full((1, seq_len, 1), 3, np.int32)
+    g_slc = gate(rng, 1, seq_len, 4)
+    launches = [name for name, _ in triton_launches(monkeypatch, lambda: check_forward_and_gradients(
+        rng, q, k, v, g_slc, indices, counts, block, cu_seqlens))]
+    assert "selection_forward_by_block" in launches, launches
+
+
 @pytest.mark.parametrize("scale", [-0.4, 0.0, 1.7])
 def test_key_block_outer_softmax_scales(rng, monkeypatch, block_outer_forward, scale):
     """The forward key block by key block folds the scale into its exponent: a negative scale
