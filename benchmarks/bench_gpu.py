@@ -1167,7 +1167,7 @@ def main(argv=None) -> None:
             report.write()
         if report.data["targets"]:
             log("\n== targets (issues 4 and 5) ==")
-            device = report.data.get("versions", {}).get("device") or "an unknown device"
+            device = report.data["versions"].get("device") or "an unknown device"
             if "H200" not in device:
                 # Issue 4's figures and targets are an H200's: another card's verdicts only show the way.
                 log(f"(the targets are set for an H200; this ran on {device}, so its verdicts do not judge them)")
