@@ -159,10 +159,15 @@ def test_key_block_outer_programs_reach_the_last_block_of_many_short_sequences(r
     assert "selection_forward_by_block" in launches, launches
 
 
+# The generated module's block_outer_work, which block_outer_programs_work calls: each test that
+# launches it sets it first (the interpreter looks the name up when the kernel runs).
+block_outer_work = None
+
+
 @triton.jit
 def block_outer_programs_work(blocks_count, step_blocks, extra_blocks, segments, work, SEGMENT_STEPS: tl.constexpr):
     """Each program's (key block, segment), as selection_forward_by_block's block_outer_work finds
-    them (a global of this file, set to the generated module's before a launch)."""
+    them."""
     key_block, segment = block_outer_work(blocks_count, step_blocks, extra_blocks, segments, SEGMENT_STEPS)
     tl.store(work + 2 * tl.program_id(0), key_block)
     tl.store(work + 2 * tl.program_id(0) + 1, segment)
