@@ -18,14 +18,7 @@ import pytest
 from conftest import check_selection_against_reference, gate, qkv, random_indices, triton_launches
 
 import nsa_dsl
-from nsa_dsl import codegen
-from nsa_dsl.kernel import selection_plan
 from nsa_dsl.runtime import triton_glue
-from nsa_dsl.runtime.platform import for_device
-
-triton_glue.prepare_kernels()  # before triton's import: without a GPU, its interpreter
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
 # float16 kernels round p and ds to float16 before their matrix products.
 TOLERANCE = {np.float32: 2e-5, np.float16: 5e-3}
@@ -142,10 +135,9 @@ def test_key_block_outer_rows_inside_their_own_block(rng, monkeypatch, block_out
 def test_key_block_outer_programs_reach_the_last_block_of_many_short_sequences(rng, monkeypatch, block_outer_forward,
                                                                                seq_len, sequences):
     """Packed sequences of 9 rows in blocks of 8 (each a partial last block, so block ids run ahead
-    of rows) and rows past the last one, in segments of 16 rows (5 and 13: block_outer_work finds
-    its segment in 3 and 4 halvings): every token takes its own block first. The forward launches
-    programs only for the blocks a segment's rows may select; at 7 sequences the last segment's
-    rows select the latest of those, so a bound short by one block fails there."""
+    of rows) and rows past the last one, in segments of 16 rows: every token takes its own block
+    first. A launch that bounded a segment's blocks by its rows (as session 63's triangular launch
+    did) would fail here with the bound one block short."""
     block = 8
     cu_seqlens = np.arange(0, 9 * sequences + 1, 9, dtype=np.int32)
     q, k, v = qkv(rng, 1, seq_len, 4, 1, 32, dtype=np.float32)
@@ -157,46 +149,6 @@ def test_key_block_outer_programs_reach_the_last_block_of_many_short_sequences(r
     launches = [name for name, _ in triton_launches(monkeypatch, lambda: check_forward_and_gradients(
         rng, q, k, v, g_slc, indices, counts, block, cu_seqlens))]
     assert "selection_forward_by_block" in launches, launches
-
-
-# The generated module's block_outer_work, which block_outer_programs_work calls: each test that
-# launches it sets it first (the interpreter looks the name up when the kernel runs).
-block_outer_work = None
-
-
-@triton.jit
-def block_outer_programs_work(blocks_count, step_blocks, extra_blocks, segments, work, SEGMENT_STEPS: tl.constexpr):
-    """Each program's (key block, segment), as selection_forward_by_block's block_outer_work finds
-    them."""
-    key_block, segment = block_outer_work(blocks_count, step_blocks, extra_blocks, segments, SEGMENT_STEPS)
-    tl.store(work + 2 * tl.program_id(0), key_block)
-    tl.store(work + 2 * tl.program_id(0) + 1, segment)
-
-
-@pytest.mark.parametrize("blocks_count, step_blocks, extra_blocks, segments", [
-    (64, 8, 0, 8),  # one sequence in segments of 8 blocks (64k tokens in 2048 rows: 1024, 32, 0, 32)
-    (70, 8, 3, 9),  # packed sequences: the bound reaches every block in the last segment
-    (9, 2, 6, 5),  # more blocks a segment's bound allows than there are, from the first segment
-    (40, 40, 0, 1),  # one segment
-    (37, 37, 0, 6),  # a shard's queries: every block in every segment
-    (1, 1, 0, 256),  # segments found in 9 halvings
-])
-def test_key_block_outer_launch_takes_each_possible_block_of_each_segment_once(
-        monkeypatch, blocks_count, step_blocks, extra_blocks, segments):
-    """selection_forward_by_block's launch: its programs (the module's _block_outer_programs a KV
-    head) take exactly the (key block, segment) pairs with key block < min(blocks_count,
-    step_blocks * (segment + 1) + extra_blocks), then the list of entries naming no block (key
-    block blocks_count) once a segment, each once and in segment order."""
-    module = codegen.load_module("triton", selection_plan(16), for_device(None))
-    monkeypatch.setitem(globals(), "block_outer_work", module.block_outer_work)
-    programs = module._block_outer_programs(blocks_count, step_blocks, extra_blocks, segments)
-    (work,) = triton_glue.launch(
-        block_outer_programs_work, (programs,), [blocks_count, step_blocks, extra_blocks, segments],
-        [jax.ShapeDtypeStruct((programs, 2), jnp.int32)], num_warps=1, num_stages=1,
-        SEGMENT_STEPS=segments.bit_length())
-    expected = [(b, s) for s in range(segments) for b in range(min(blocks_count, step_blocks * (s + 1) + extra_blocks))]
-    expected += [(blocks_count, s) for s in range(segments)]
-    assert [tuple(pair) for pair in np.asarray(work).tolist()] == expected
 
 
 @pytest.mark.parametrize("scale", [-0.4, 0.0, 1.7])
