@@ -12,6 +12,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from nsa_dsl import dsl
@@ -282,6 +283,70 @@ def test_compiled_executables_persist_for_the_next_process(tmp_path):
         subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=300)
         entries = list((cache / "jax").glob("*")) if (cache / "jax").exists() else []
         assert bool(entries) == expect_entries, (setting, entries)
+
+
+def test_damaged_jax_cache_entries_are_removed_once_settled(tmp_path: Path) -> None:
+    """jax_cache.discard_damaged removes the entries of JAX's file cache that do not decompress
+    (truncated, garbage) once they are SETTLED_S old, keeps whole ones, and reads each entry once:
+    an entry at or before the last check's newest is not read again."""
+    from jax._src.compilation_cache import compress_executable
+
+    from nsa_dsl.runtime import jax_cache
+
+    rng = np.random.default_rng(3)
+    whole = compress_executable(rng.bytes(50_000))
+    now = 1_000_000.0
+    entries = {  # name: (bytes, age in seconds)
+        "whole-cache": (whole, 300), "truncated-cache": (whole[: len(whole) // 2], 200),
+        "garbage-cache": (rng.bytes(900), 100), "young-cache": (whole[:100], 5), "whole-atime": (b"x", 100),
+    }
+    for name, (data, age) in entries.items():
+        (tmp_path / name).write_bytes(data)
+        os.utime(tmp_path / name, (now - age, now - age))
+    with pytest.warns(cache.CacheWarning, match="damaged entry of JAX's compilation cache") as caught:
+        removed = jax_cache.discard_damaged(tmp_path, now=now)
+    assert sorted(path.name for path in removed) == ["garbage-cache", "truncated-cache"], removed
+    assert len(caught) == 2
+    assert sorted(path.name for path in tmp_path.iterdir()) == [jax_cache.MARKER, "whole-atime", "whole-cache", "young-cache"]
+    # Damaged since, but written before the check's newest entry: not read again.
+    (tmp_path / "whole-cache").write_bytes(b"damaged later")
+    os.utime(tmp_path / "whole-cache", (now - 300, now - 300))
+    with pytest.warns(cache.CacheWarning, match="young-cache"):
+        removed = jax_cache.discard_damaged(tmp_path, now=now + 60)  # the young entry has settled
+    assert [path.name for path in removed] == ["young-cache"]
+    assert jax_cache.discard_damaged(tmp_path, now=now + 600) == []
+
+
+def test_a_killed_writers_jax_cache_entries_are_written_again(tmp_path: Path) -> None:
+    """A process killed while JAX wrote its compilation cache leaves entries truncated, which JAX
+    would warn about and compile around in every later process without rewriting them: the next
+    process that uses nsa_dsl removes them (warning) and writes them again, whole."""
+    from jax._src.compilation_cache import decompress_executable
+
+    script = (
+        "import numpy as np, nsa_dsl\n"
+        "attn = nsa_dsl.compile('pattern p\\nblock 16\\nbranch main = window(20)\\n')\n"
+        "q = np.random.default_rng(0).standard_normal((1, 40, 2, 8), dtype=np.float32)\n"
+        "attn(q, q[:, :, :1], q[:, :, :1]).block_until_ready()\n"
+    )
+    env = {**os.environ, "NSA_DSL_CACHE_DIR": str(tmp_path), "NSA_DSL_JAX_CACHE": "1",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")])}
+
+    def run():
+        return subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=300, capture_output=True,
+                              text=True).stderr
+
+    run()
+    entries = sorted((tmp_path / "jax").glob("*-cache"))
+    assert entries
+    for entry in entries:
+        entry.write_bytes(entry.read_bytes()[:100])
+        os.utime(entry, (os.path.getmtime(entry) - 120,) * 2)
+    stderr = run()
+    assert stderr.count("removed a damaged entry of JAX's compilation cache") == len(entries), stderr
+    assert "Error reading persistent compilation cache" not in stderr, stderr
+    for entry in entries:
+        decompress_executable(entry.read_bytes())
 
 
 @pytest.mark.filterwarnings("ignore:Error reading persistent compilation cache")  # JAX's own cache, under the same root

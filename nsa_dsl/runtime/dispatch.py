@@ -15,7 +15,7 @@ from .. import codegen
 from ..config import NativeSparseAttentionConfig
 from ..plan import build_block_table
 from ..plan import plan as p
-from . import compressed_cache, validate
+from . import compressed_cache, jax_cache, validate
 from .platform import PlatformLimitError, available_platforms, for_device, resolve_platform
 
 # Branch kinds each platform's templates implement (Pallas: its GPU and its TPU variant alike).
@@ -129,11 +129,14 @@ def kernel(
 def use_compilation_cache() -> None:
     """Keep compiled executables on disk beside the generated modules, so that a new process
     does not compile a pattern again: JAX's persistent compilation cache, under
-    $NSA_DSL_CACHE_DIR/jax, unless the application configured one (or NSA_DSL_JAX_CACHE=0).
+    $NSA_DSL_CACHE_DIR/jax, unless the application configured one (or NSA_DSL_JAX_CACHE=0), with
+    the entries a killed process left damaged removed first (jax_cache.discard_damaged).
     Triton kernels compiled through jax-triton have their own cache (runtime/triton_cache.py)."""
     if os.environ.get("NSA_DSL_JAX_CACHE") == "0" or jax.config.jax_compilation_cache_dir:
         return
-    jax.config.update("jax_compilation_cache_dir", str(codegen.cache_root() / "jax"))
+    directory = codegen.cache_root() / "jax"
+    jax_cache.discard_damaged(directory)
+    jax.config.update("jax_compilation_cache_dir", str(directory))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
