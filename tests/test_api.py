@@ -214,6 +214,20 @@ def test_check_pattern_report():
     assert not refused.ok and "not checked" in str(refused)
 
 
+@pytest.mark.parametrize("timing_s, calls", [(0.0, 2), (60.0, 4)])
+def test_check_pattern_times_one_call_of_a_slow_kernel(monkeypatch, timing_s, calls):
+    """check_pattern times up to TIMED_CALLS calls after the first, but one once TIMING_S passed:
+    an interpreted Triton kernel took four calls of ~9 s each for `nsa-compile --check`."""
+    from nsa_dsl.runtime import check
+
+    attends, attend = [], check.attend
+    monkeypatch.setattr(check, "attend", lambda *args, **kwargs: attends.append(1) or attend(*args, **kwargs))
+    monkeypatch.setattr(check, "TIMING_S", timing_s)
+    report = check_pattern(selection_plan(16), 64)
+    assert report.ok and report.seconds_per_call > 0, str(report)
+    assert len(attends) == calls
+
+
 def test_automatic_platform_is_the_most_specialised_one_with_kernels_for_every_branch(monkeypatch):
     # Decided for devices this machine lacks: Triton on a GPU (with the gpu extra's packages),
     # Pallas (its TPU variant) on a TPU, XLA on a CPU, for every plan.
