@@ -8,7 +8,8 @@
 #   bash benchmarks/timeline_patches_gpu.sh PATCH [PATCH ...]
 #
 # Run from the repository root on the device (the `run` tool, carry [".whl"]); each PATCH is a `git
-# diff` of this tree. $OUT gets timeline_<name>.txt per run (name: base, or the patch's file name).
+# diff` of this tree. $OUT gets timeline_<name>.txt per run (name: base, or the patch's file name):
+# each kernel's time, HBM bytes read and written, and L2 hit rate.
 # Three runs took ~25 s each in session 53, after ~10 s of installing the wheels.
 set -u
 [ $# -ge 1 ] || { echo "usage: bash benchmarks/timeline_patches_gpu.sh PATCH [PATCH ...]" >&2; exit 2; }
@@ -35,7 +36,8 @@ names+=(base_again)
 for i in "${!trees[@]}"; do
     (cd "${trees[$i]}" && export PYTHONPATH=/tmp/site:${trees[$i]}
      python3 benchmarks/forward_timeline.py 65536 > /dev/null 2>&1  # compile and warm (ncu on a cold run segfaulted)
-     timeout -k 5 90 ncu --clock-control none --profile-from-start off --csv --metrics gpu__time_duration.sum \
+     timeout -k 5 100 ncu --clock-control none --profile-from-start off --csv --print-units base \
+         --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct \
          python3 benchmarks/forward_timeline.py 65536 > "/tmp/timeline_${names[$i]}.csv" 2>&1
      python3 benchmarks/forward_timeline.py --summarise "/tmp/timeline_${names[$i]}.csv" > "$out/timeline_${names[$i]}.txt" 2>&1)
     echo "== ${names[$i]}"
