@@ -29,18 +29,21 @@ _ENTRY_SUFFIX = "-cache"  # JAX's file cache (jax._src.lru_cache): `<key>-cache`
 def discard_damaged(directory: Path, now: float | None = None) -> list[Path]:
     """Remove the entries of JAX's file cache in `directory` that were written since the last
     check, are SETTLED_S old at `now` (default: the time) and do not decompress; returns them.
-    Without JAX's decompression (an API this was written against, jax 0.10-0.11) nothing is
+    A directory this process cannot write is left alone (it could not remove an entry, nor record
+    the check, so it would decompress every entry in every process). Without JAX's decompression (an API this was written against, jax 0.10-0.11) nothing is
     checked."""
     try:
         from jax._src.compilation_cache import decompress_executable
     except ImportError:
+        return []
+    if not os.access(directory, os.W_OK):  # no cache yet, or one this process could not repair
         return []
     now = time.time() if now is None else now
     marker = directory / MARKER
     try:
         entries = list(os.scandir(directory))
         checked_ns = marker.stat().st_mtime_ns if marker.exists() else 0
-    except OSError:  # no cache yet, or one this process cannot read: JAX's own reads decide
+    except OSError:  # a cache this process cannot read: JAX's own reads decide
         return []
     settled_ns = int((now - SETTLED_S) * 1e9)
     newest_ns, removed = checked_ns, []
@@ -61,7 +64,7 @@ def discard_damaged(directory: Path, now: float | None = None) -> list[Path]:
                 os.unlink(entry.path)
             except FileNotFoundError:  # another process removed it first
                 pass
-            except OSError:  # a cache this process cannot change: JAX warns as it reads the entry
+            except OSError:  # an entry this process cannot remove: JAX warns as it reads it
                 continue
             removed.append(Path(entry.path))
             warnings.warn(f"nsa_dsl removed a damaged entry of JAX's compilation cache, {entry.path} "
