@@ -217,7 +217,7 @@ def test_check_pattern_report():
 @pytest.mark.parametrize("timing_s, calls", [(0.0, 2), (60.0, 4)])
 def test_check_pattern_times_one_call_of_a_slow_kernel(monkeypatch, timing_s, calls):
     """check_pattern times up to TIMED_CALLS calls after the first, but one once TIMING_S passed:
-    an interpreted Triton kernel took four calls of ~9 s each for `nsa-compile --check`."""
+    `nsa-compile --check` ran an interpreted Triton kernel four times, ~25 s each at T 300."""
     from nsa_dsl.runtime import check
 
     attends, attend = [], check.attend

@@ -30,8 +30,8 @@ def discard_damaged(directory: Path, now: float | None = None) -> list[Path]:
     """Remove the entries of JAX's file cache in `directory` that were written since the last
     check, are SETTLED_S old at `now` (default: the time) and do not decompress; returns them.
     A directory this process cannot write is left alone (it could not remove an entry, nor record
-    the check, so it would decompress every entry in every process). Without JAX's decompression (an API this was written against, jax 0.10-0.11) nothing is
-    checked."""
+    the check, so it would decompress every entry in every process). Without JAX's decompression
+    (an API this was written against, jax 0.10-0.11) nothing is checked."""
     try:
         from jax._src.compilation_cache import decompress_executable
     except ImportError:
