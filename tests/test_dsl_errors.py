@@ -28,8 +28,9 @@ SYNTAX = [
     ("block 64\n", "unexpected 'block'", 1, 1, "expected 'pattern'"),
     (HEAD + "branch b = window(4", "unexpected end of input", 3, 20, "expected one of: ')', ','"),
     (HEAD + "branch b = 1 +   # more to come\n", "unexpected end of input", 3, 15, None),
-    # lone CR line endings: one line as Lark counts them; its comments end at each CR all the same
-    ("pattern p\rblock 64\r# a window\rbranch b = window(4", "unexpected end of input", 1, 50, "expected one of: ')', ','"),
+    # lone CR line endings (text read with newline=""): positioned by their lines all the same
+    ("pattern p\rblock 64\r# a window\rbranch b = window(4", "unexpected end of input", 4, 20, "expected one of: ')', ','"),
+    ("pattern p\r\nblock 64\r\nbranch b = window(4", "unexpected end of input", 3, 20, "expected one of: ')', ','"),
     (HEAD + "branch b = window(4))", "unexpected ')'", 3, 21, None),
     (HEAD + "branch b = local(1) $", "unexpected character '$'", 3, 21, None),
     (HEAD + "branch b local(1)", "unexpected name 'local'", 3, 10, "expected '='"),
@@ -64,7 +65,7 @@ def test_syntax_errors(text, message, line, column, hint):
     err = failure(text)
     assert type(err) is NsaSyntaxError
     assert (err.message, err.line, err.column) == (message, line, column)
-    assert err.source_line == (text.split("\n")[line - 1])
+    assert err.source_line == text.replace("\r\n", "\n").replace("\r", "\n").split("\n")[line - 1]
     if hint is not None:
         assert err.hint == hint
     else:
@@ -174,7 +175,7 @@ SEMANTIC = [
         "block size must be an integer, got a float (64.0)",
         2,
         7,
-        "use // for integer division",
+        "write integers: a decimal point, an exponent (1e2) or a float operand (7.5 // 2) makes a float",
     ),
     ("pattern p\nparam b = 1\nblock b - 1\nbranch c = local(1)", "block size must be >= 1, got 0", 3, 9, None),
     # -- sizes
@@ -224,7 +225,7 @@ SEMANTIC = [
         "window() argument 'left' must be an integer, got a float (1.5)",
         3,
         19,
-        "use // for integer division",
+        "write integers: a decimal point, an exponent (1e2) or a float operand (7.5 // 2) makes a float",
     ),
     (
         HEAD + "param w = 512\nbranch b = window(w / 2)",
@@ -647,11 +648,9 @@ def test_unknown_override(overrides, message, hint):
         ("window", np.float64(1024.0), "an integer", "512"),
         ("window", np.bool_(True), "an integer", "512"),
         ("window", "big", "an integer", "512"),
-        ("window", "9" * 30, "an integer", "512"),
         ("window", "\u0661\u0660\u0662\u0664", "an integer", "512"),  # Arabic-Indic digits are no number
         ("ratio", "x", "a float", "0.5"),
         ("ratio", "\uff10.5", "a float", "0.5"),
-        ("ratio", float("inf"), "a float", "0.5"),
         ("ratio", False, "a float", "0.5"),
         ("on", 1, "a bool", "true"),
         ("on", np.int64(1), "a bool", "true"),
@@ -667,6 +666,40 @@ def test_override_of_the_wrong_type(name, value, kind, example):
     assert err.hint == f"give {kind}, e.g. -D {name}={example}"
     declaration = {"window": (3, 7), "ratio": (4, 7), "on": (5, 7)}[name]
     assert (err.line, err.column) == declaration
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "limit"),
+    [
+        ("window", "9" * 30, "2**63 - 1"),
+        ("window", 2**70, "2**63 - 1"),
+        ("window", -(2**63), "2**63 - 1"),
+        ("ratio", float("inf"), "1e308"),
+        ("ratio", "1e400", "1e308"),
+    ],
+)
+def test_override_out_of_range_is_told_so(name, value, limit):
+    """A number of the right kind but too large: saying "give an integer" of an integer misled."""
+    err = failure(OVERRIDABLE, overrides={name: value})
+    assert err.message == f"override {name}={value!r} is out of range: at most {limit} in magnitude"
+    assert err.hint is None
+
+
+def test_a_float_made_without_division_is_not_told_to_use_floor_division():
+    err = failure(HEAD + "param a = 7.5 // 2\nbranch b = window(a)")
+    assert (err.line, err.column) == (4, 19)
+    assert "7.5 // 2" in err.hint and "use //" not in err.hint
+
+
+def test_a_file_that_is_not_utf8_is_located(tmp_path):
+    path = tmp_path / "latin1.nsa"
+    path.write_bytes(b"\xef\xbb\xbfpattern p\nblock 16\n# caf\xe9 au lait\nbranch m = window(3)\n")
+    with pytest.raises(NsaError) as info:
+        load(path)
+    err = info.value
+    assert err.message == "not UTF-8 text: byte 0xe9 (invalid continuation byte)"
+    assert (err.file, err.line, err.column) == (str(path), 3, 6)
+    assert err.source_line == "# caf\ufffd au lait"
 
 
 def test_override_can_make_a_pattern_invalid():
@@ -690,8 +723,9 @@ def test_unreadable_file(tmp_path):
     assert info.value.file == str(tmp_path / "missing.nsa")
     bad = tmp_path / "bad.nsa"
     bad.write_bytes(b"pattern \xff\n")
-    with pytest.raises(NsaError, match="cannot read"):
+    with pytest.raises(NsaError, match="not UTF-8 text") as info:
         load(bad)
+    assert (info.value.line, info.value.column) == (1, 9)
     with pytest.raises(NsaSyntaxError) as info:
         bad.write_text("pattern p\nblock 64\nbranch b = local(1))\n")
         load(bad)

@@ -267,19 +267,17 @@ class _PatternChecker:
         """`raw` (a Python value or -D text) as a value of the declared param's type."""
         kind = _kind(declared)
         value = _parse_override(raw, type(declared)) if isinstance(raw, str) else _python_scalar(raw)
-        fits = (
-            (type(declared) is bool and type(value) is bool)
-            or (type(declared) is int and type(value) is int and abs(value) <= MAX_INT)
-            or (
-                type(declared) is float and type(value) in (int, float) and abs(value) <= 1e308 and math.isfinite(value)
-            )
-        )
-        if not fits:
+        numbers = (int, float) if type(declared) is float else (type(declared),)
+        if type(value) not in numbers:
             raise self.error(
                 decl.name,
                 f"override {decl.name.name}={raw!r} does not fit: param '{decl.name.name}' is {kind}",
                 f"give {kind}, e.g. -D {decl.name.name}={_show(declared)}",
             )
+        if type(declared) is int and abs(value) > MAX_INT:
+            raise self.error(decl.name, f"override {decl.name.name}={raw!r} is out of range: at most 2**63 - 1 in magnitude")
+        if type(declared) is float and not (math.isfinite(value) and abs(value) <= 1e308):
+            raise self.error(decl.name, f"override {decl.name.name}={raw!r} is out of range: at most 1e308 in magnitude")
         return float(value) if type(declared) is float else value
 
     # ---- expressions -----------------------------------------------------------------------
@@ -514,7 +512,7 @@ class _PatternChecker:
     def size(self, node: ast.Expr, scope: _Scope, depth: int, what: str, minimum: int) -> int:
         value = self.evaluate(node, scope, depth)
         if type(value) is not int:
-            hint = "use // for integer division" if type(value) is float else None
+            hint = _integer_hint(node) if type(value) is float else None
             raise self.error(node, f"{what} must be an integer, got {_kind(value)} ({_show(value)})", hint)
         if value < minimum:
             raise self.error(node, f"{what} must be >= {minimum}, got {value}")
@@ -749,6 +747,13 @@ def _show(value: object) -> str:
     return "a key set" if _is_keyset(value) else repr(value)
 
 
+def _integer_hint(node: ast.Expr) -> str:
+    """Why an expression that should be an integer made a float."""
+    if isinstance(node, ast.Binary) and node.op == "/":
+        return "use // for integer division"
+    return "write integers: a decimal point, an exponent (1e2) or a float operand (7.5 // 2) makes a float"
+
+
 def _show_default(default: float | None) -> str:
     return "none" if default is None else _show(default)
 
@@ -774,8 +779,9 @@ def _parse_override(text: str, kind: type) -> object:
     text = text.strip()
     if kind is bool:
         return {"true": True, "false": False}.get(text, text)
-    # ASCII digits only, as in the language (\d, int() and float() take any Unicode digit)
-    if re.fullmatch(r"[+-]?[0-9]{1,19}", text):
+    # ASCII digits only, as in the language (\d, int() and float() take any Unicode digit); as many as
+    # int() converts, so that a number too large is told so (override() checks the range)
+    if re.fullmatch(r"[+-]?[0-9]{1,4000}", text):
         return int(text)
     if kind is float and re.fullmatch(r"[+-]?([0-9]+\.[0-9]*|\.[0-9]+|[0-9]+)([eE][+-]?[0-9]{1,3})?", text):
         return float(text)

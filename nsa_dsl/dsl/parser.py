@@ -4,6 +4,7 @@ the line, put a caret under the column and say in words what could have come the
 
 from __future__ import annotations
 
+import codecs
 import functools
 import os
 import re
@@ -18,7 +19,7 @@ from . import ast
 
 _INT_LIMIT = 2**63  # integer literals must be below it; larger ones mean nothing to any kernel
 
-_COMMENT = re.compile(r"#[^\r\n]*")  # as the grammar's COMMENT: a lone CR ends one too (Lark counts lines by \n)
+_COMMENT = re.compile(r"#[^\n]*")
 _TERMINAL_WORDS = {"NAME": "a name", "INT": "an integer", "FLOAT": "a decimal number", "$END": "end of input"}
 
 
@@ -31,6 +32,9 @@ def _lark() -> Lark:
 
 def parse(text: str, *, file: str = "<string>") -> ast.Module:
     """The syntax tree of `text`; raises NsaSyntaxError if it is not a `.nsa` module."""
+    # Lark counts lines by \n alone: text with CR or CRLF line ends (a file read with newline="", an old
+    # Mac editor's) would report every position on line 1.
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
     try:
         tree = _lark().parse(text)
     except UnexpectedInput as err:
@@ -196,16 +200,16 @@ def _end_position(text: str) -> tuple[int, int]:
     lines = text.split("\n")
     for index in range(len(lines) - 1, -1, -1):
         # comments blanked in place, so that the columns of what precedes them stay as they are
-        content = _COMMENT.sub(lambda comment: " " * len(comment[0]), lines[index]).rstrip(" \t\f\r")
+        content = _COMMENT.sub(lambda comment: " " * len(comment[0]), lines[index]).rstrip(" \t\f")
         if content:
             return index + 1, len(content) + 1
     return 1, 1
 
 
 def source_line(text: str, line: int) -> str | None:
-    """Line `line` (1-based) of `text`, as Lark counts lines (by '\\n' only)."""
+    """Line `line` (1-based) of `text` (its line ends \\n alone, as `parse` makes them)."""
     lines = text.split("\n")
-    return lines[line - 1].rstrip("\r") if 1 <= line <= len(lines) else None
+    return lines[line - 1] if 1 <= line <= len(lines) else None
 
 
 def read(source: str | os.PathLike, *, file: str | None = None) -> ast.Module:
@@ -214,11 +218,29 @@ def read(source: str | os.PathLike, *, file: str | None = None) -> ast.Module:
     if isinstance(source, os.PathLike) or (isinstance(source, str) and source.endswith(".nsa") and "\n" not in source):
         path = Path(source)
         try:
-            text = path.read_text(encoding="utf-8-sig")  # a byte order mark, as some editors write, is no text
-        except (OSError, UnicodeDecodeError) as err:
-            reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
-            raise NsaError(f"cannot read {str(path)!r}: {reason}", file=file or str(path)) from None
-        return parse(text, file=file or str(path))
+            data = path.read_bytes()
+        except OSError as err:
+            raise NsaError(f"cannot read {str(path)!r}: {err.strerror or err}", file=file or str(path)) from None
+        return parse(_decoded(data, file or str(path)), file=file or str(path))
     if isinstance(source, str):
         return parse(source, file=file or "<string>")
     raise TypeError(f"source must be .nsa text or a path to a .nsa file, got {type(source).__name__}")
+
+
+def _decoded(data: bytes, file: str) -> str:
+    """A file's bytes as text (UTF-8; a byte order mark, as some editors write, is no text), or an
+    error at the line and column of the first byte that is not UTF-8."""
+    data = data.removeprefix(codecs.BOM_UTF8)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line_start = data.rfind(b"\n", 0, err.start) + 1
+        line_end = data.find(b"\n", err.start)
+        raise NsaError(
+            f"not UTF-8 text: byte 0x{data[err.start]:02x} ({err.reason})",
+            file=file,
+            line=data.count(b"\n", 0, err.start) + 1,
+            column=len(data[line_start : err.start].decode("utf-8", "replace")) + 1,
+            source_line=data[line_start : None if line_end < 0 else line_end].decode("utf-8", "replace").rstrip("\r"),
+            hint="save the file as UTF-8",
+        ) from None
