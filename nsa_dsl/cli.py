@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -193,9 +194,18 @@ def summary(plan: p.Plan, seq_len: int, *, show_plan: bool = False) -> str:
     return "\n".join(lines)
 
 
+# Modules a generated module must never be named after, installed here or not: installed later (the
+# gpu extra brings jax_triton), a module beside them would hide them from scripts run in its folder.
+_RESERVED_MODULES = frozenset(sys.stdlib_module_names) | {
+    "absl", "jax", "jax_triton", "jaxlib", "jinja2", "lark", "ml_dtypes", "nsa_dsl", "numpy", "torch", "triton"
+}
+
+
 def _importable_elsewhere(module: str, target: Path) -> str | None:
     """Where a module named `module` is importable from, unless it is `target` itself (a module an
     earlier run wrote there): a pattern named jax compiled for Triton would write jax_triton.py."""
+    if module in _RESERVED_MODULES:
+        return "a module nsa_dsl or its dependencies use"
     importlib.invalidate_caches()  # the finders cache folder listings
     try:
         spec = importlib.util.find_spec(module)
@@ -207,9 +217,18 @@ def _importable_elsewhere(module: str, target: Path) -> str | None:
 
 
 # ---- the command -------------------------------------------------------------------------
+def _say(text: str) -> None:
+    """Print a line of the summary. A reader that stopped reading (`nsa-compile ... | head -1`) stops
+    the output, not the modules' writing: the rest of the output goes nowhere."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def _check(plan: p.Plan, platform: str, seq_len: int) -> bool:
     report = check_pattern(plan, seq_len, platform=platform)
-    print(f"  check {platform}: {report}")
+    _say(f"  check {platform}: {report}")
     return bool(report.ok)
 
 
@@ -242,7 +261,7 @@ def _compile(args: argparse.Namespace, platforms: list[str]) -> int:
     args.output.mkdir(parents=True, exist_ok=True)
     succeeded = True
     for plan in plans:
-        print(summary(plan, args.seq_len, show_plan=args.show_plan))
+        _say(summary(plan, args.seq_len, show_plan=args.show_plan))
         for platform in platforms:
             try:
                 check_supported(plan, platform)
@@ -267,7 +286,7 @@ def _compile(args: argparse.Namespace, platforms: list[str]) -> int:
             entry = codegen.cache_path(platform, plan)
             # A cache that could not take the entry has warned; its path then holds nothing.
             cached = f"cached at {entry}" if entry.is_file() else f"not cached: {codegen.cache_root()} cannot take it"
-            print(f"  {platform}: wrote {target} ({cached})")
+            _say(f"  {platform}: wrote {target} ({cached})")
             if args.check:
                 succeeded &= _check(plan, platform, args.seq_len)
     return 0 if succeeded else 1

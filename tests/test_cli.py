@@ -297,6 +297,30 @@ def test_a_module_that_would_shadow_an_installed_one_is_not_written(tmp_path: Pa
     assert cli.main([str(source), "-o", str(out), "--platform", "xla", "--pattern", "fine"]) == 0
 
 
+def test_a_module_named_as_a_dependency_is_not_written_where_that_is_not_installed(tmp_path: Path, monkeypatch,
+                                                                                    capsys) -> None:
+    """jax_triton.py is refused where jax_triton is not installed too: installed later (the gpu extra),
+    the module would hide it from scripts run in its folder."""
+    monkeypatch.setitem(sys.modules, "jax_triton", None)  # importlib.util.find_spec: not installed
+    source = tmp_path / "jax.nsa"
+    source.write_text("pattern jax\nblock 16\nbranch m = window(8)\n")
+    assert cli.main([str(source), "-o", str(tmp_path / "out"), "--platform", "triton"]) == 1
+    assert "not generated: " in capsys.readouterr().err
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_a_reader_that_stops_reading_stops_the_output_not_the_writing(tmp_path: Path) -> None:
+    """`nsa-compile ... | head -1`: the summary's next line met a closed pipe and ended the command
+    (exit 1, "Broken pipe") before it wrote the modules."""
+    command = [sys.executable, "-m", "nsa_dsl.cli", "examples/longformer.nsa", "-o", str(tmp_path / "out")]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=ROOT)
+    process.stdout.close()  # before the first line: as `head -0` would, so every line meets a closed pipe
+    _, err = process.communicate(timeout=300)
+    assert process.returncode == 0, err.decode()
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["longformer_xla.py"]
+
+
 def test_check_of_a_topk_count_beyond_the_blocks_allocates_no_column_per_count(tmp_path: Path, capsys) -> None:
     """topk(2147483647, ...) is valid (every block, as any count past the blocks there are): --check's
     reference padded its selections to `count` columns, 3 TiB at T=100, a MemoryError traceback."""
