@@ -202,14 +202,9 @@ def compile(
     pattern's params (nsa_dsl.compile("longformer.nsa", window=1024)). Raises NsaSyntaxError or
     NsaSemanticError, located in the source, for bad text.
     """
-    config = _config("config", config)
+    config = None if config is None else NativeSparseAttentionConfig.of(config, "config", "or None")
     if pattern is not None and not isinstance(pattern, str):
         raise ValueError(f"pattern must be a str or None, got {type(pattern).__name__}")
     checked = dsl.load_pattern(path_or_source, name=pattern, overrides=params)
     return SparseAttention(checked, lower(checked), config)
 
-
-def _config(name: str, value: object) -> NativeSparseAttentionConfig | None:
-    if value is not None and not isinstance(value, NativeSparseAttentionConfig):
-        raise ValueError(f"{name} must be a nsa_dsl.NativeSparseAttentionConfig or None, got {type(value).__name__}")
-    return value

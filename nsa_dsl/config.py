@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 PLATFORMS = ("xla", "triton", "pallas")
 BACKENDS = ("gpu", "tpu", "cpu")
@@ -60,3 +60,18 @@ class NativeSparseAttentionConfig:
             object.__setattr__(self, "backend", None)
         if self.backend is not None and self.backend not in BACKENDS:
             raise ValueError(f"cfg.backend must be 'gpu', 'tpu', 'cpu', 'any' or None, got {self.backend!r}")
+
+    @classmethod
+    def of(cls, value: object, what: str, others: str) -> NativeSparseAttentionConfig:
+        """`value` as a configuration: itself, or another library's configuration object with the
+        same settings by name (ejkernel's NativeSparseAttentionConfig: its configurations run
+        unchanged), setting by setting; a setting it lacks keeps its default. Anything else is a
+        ValueError naming the argument (`what`) and the other values it takes (`others`)."""
+        if isinstance(value, cls):
+            return value
+        if not hasattr(value, "block_size") or isinstance(value, type):
+            raise ValueError(f"{what} must be a NativeSparseAttentionConfig (nsa_dsl's or ejkernel's), {others}, "
+                             f"got {type(value).__name__}")
+        settings = {f.name: getattr(value, f.name) for f in fields(cls) if hasattr(value, f.name)}
+        return cls(**settings)
+

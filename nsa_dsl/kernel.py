@@ -163,7 +163,7 @@ class Kernel(Generic[Cfg, Out]):
 
     op_id: str
     version: str = "1"  # part of tuned entries' keys: raise it when the candidates' meaning changes
-    config_type: type
+    config_type: type  # its configurations' class; config_type.of(value) converts another library's
 
     def run(self, *args, cfg: Cfg, **kwargs) -> Out:
         raise NotImplementedError
@@ -222,13 +222,12 @@ class Kernel(Generic[Cfg, Out]):
         return Invocation(self.op_id, arguments, self.static_settings(), method)
 
     def __call__(self, *args, cfg: Cfg | str | None = None, **kwargs) -> Out:
-        """run(*args, **kwargs) with `cfg`: a configuration (used as given, never stored),
-        "autotune", "heuristic" or None (see choose_cfg)."""
+        """run(*args, **kwargs) with `cfg`: a configuration (used as given, never stored; another
+        library's with the same settings is converted), "autotune", "heuristic" or None (see choose_cfg)."""
         if cfg is None or isinstance(cfg, str):
             cfg = self.choose_cfg(self.invocation(*args, **kwargs), cfg)
-        elif not isinstance(cfg, self.config_type):
-            raise ValueError(f"cfg must be a {self.config_type.__name__}, 'autotune', 'heuristic' or None, "
-                             f"got {type(cfg).__name__}")
+        else:
+            cfg = self.config_type.of(cfg, "cfg", "'autotune', 'heuristic' or None")
         return self.run(*args, **kwargs, cfg=cfg)
 
     def choose_cfg(self, inv: Invocation, requested: str | None = None) -> Cfg:
@@ -237,7 +236,8 @@ class Kernel(Generic[Cfg, Out]):
         one; if not, tuning now for "autotune", for NSA_DSL_AUTOTUNE=1, or when tunes_lazily(inv)
         (None, the default), else heuristic_cfg."""
         if requested not in (None, "autotune", "heuristic"):
-            raise ValueError(f"cfg must be a {self.config_type.__name__}, 'autotune', 'heuristic' or None, got {requested!r}")
+            raise ValueError(f"cfg must be a {self.config_type.__name__} (nsa_dsl's or ejkernel's), 'autotune', "
+                             f"'heuristic' or None, got {requested!r}")
         policy = tuning.policy()
         if requested == "heuristic" or policy == "off":
             return self.heuristic_cfg(inv)

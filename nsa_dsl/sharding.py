@@ -339,7 +339,9 @@ def sharded_native_sparse_attention(mesh=None, *, batch_axis: AxisName = None, h
 
     def attention(query, key, value, g_cmp=None, g_slc=None, block_indices=None, block_counts=16, cu_seqlens=None, /,
                   *, softmax_scale=None, platform: str | None = None, cfg=None):
-        given_cfg = isinstance(cfg, NativeSparseAttentionConfig)
+        given_cfg = cfg is not None and not isinstance(cfg, str)
+        if given_cfg:
+            cfg = NativeSparseAttentionConfig.of(cfg, "cfg", "'autotune', 'heuristic' or None")
         plan = nsa_plan(cfg.block_size if given_cfg else kernel.block_size, g_cmp, block_indices, block_counts)
         selection = {} if g_cmp is not None else {"block_indices": block_indices, "block_counts": block_counts}
         if g_cmp is not None and block_indices is not None:

@@ -317,6 +317,93 @@ def test_damaged_jax_cache_entries_are_removed_once_settled(tmp_path: Path) -> N
     assert jax_cache.discard_damaged(tmp_path, now=now + 600) == []
 
 
+def test_a_jax_cache_deleted_while_the_process_runs_is_made_again(tmp_path: Path) -> None:
+    """README says to delete $NSA_DSL_CACHE_DIR to reclaim its space: deleted under a running
+    process, JAX failed to write every later entry (a warning at each compilation, the user's own
+    included) for the rest of the process. The next call makes the directory again."""
+    script = (
+        "import shutil, warnings, numpy as np, jax.numpy as jnp, nsa_dsl\n"
+        "from nsa_dsl.codegen import cache_root\n"
+        "attn = nsa_dsl.compile('pattern p\\nblock 16\\nbranch main = window(20)\\n')\n"
+        "q = np.random.default_rng(0).standard_normal((1, 40, 2, 8), dtype=np.float32)\n"
+        "attn(q, q[:, :, :1], q[:, :, :1]).block_until_ready()\n"
+        "shutil.rmtree(cache_root())\n"
+        "warnings.simplefilter('error')\n"
+        "attn(q[:, :33], q[:, :33, :1], q[:, :33, :1]).block_until_ready()  # a new shape: compiled, written\n"
+        "(jnp.arange(7) * 3).block_until_ready()  # the application's own\n"
+        "print(len(list((cache_root() / 'jax').glob('*-cache'))))\n"
+    )
+    env = {**os.environ, "NSA_DSL_CACHE_DIR": str(tmp_path), "NSA_DSL_JAX_CACHE": "1",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-c", script], env=env, timeout=300, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert int(result.stdout.split()[-1]) >= 2, result.stdout
+
+
+@pytest.fixture
+def jax_config(monkeypatch) -> dict:
+    """dispatch.use_compilation_cache's view of JAX's configuration, recorded instead of applied (the
+    real one is the test process's, which other tests' compilations share)."""
+    from nsa_dsl.runtime import dispatch
+
+    settings = {"jax_compilation_cache_dir": None}
+
+    class Config:
+        def __getattr__(self, name):
+            return settings[name]
+
+        def update(self, name, value):
+            settings[name] = value
+
+    monkeypatch.setattr(dispatch, "jax", type("jax", (), {"config": Config()}))
+    monkeypatch.delenv("NSA_DSL_JAX_CACHE", raising=False)
+    return settings
+
+
+def test_a_jax_cache_directory_that_cannot_be_made_leaves_jax_alone(tmp_path: Path, monkeypatch, jax_config) -> None:
+    from nsa_dsl.runtime import dispatch
+
+    (tmp_path / "taken").write_text("")
+    monkeypatch.setenv("NSA_DSL_CACHE_DIR", str(tmp_path / "taken"))
+    with pytest.warns(cache.CacheWarning, match="JAX's compilation cache stays off: cannot make"):
+        dispatch.use_compilation_cache()
+    assert jax_config == {"jax_compilation_cache_dir": None}
+
+
+def test_a_jax_cache_directory_that_cannot_be_written_is_read_without_a_warning_per_entry(
+    tmp_path: Path, monkeypatch, jax_config
+) -> None:
+    """A read-only cache (one a CI job filled, shared) still serves its executables; JAX's warning at
+    every executable it then fails to write, the application's own included, is one CacheWarning."""
+    import warnings
+
+    from nsa_dsl.runtime import dispatch
+
+    monkeypatch.setenv("NSA_DSL_CACHE_DIR", str(tmp_path))
+    (tmp_path / "jax").mkdir()
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: mode != os.W_OK and access(path, mode))  # as for a non-root user
+    with warnings.catch_warnings(record=True) as caught:  # the filters it adds last as long as this block
+        warnings.simplefilter("always")
+        dispatch.use_compilation_cache()
+        warnings.warn("Error writing persistent compilation cache entry for 'jit_f': PermissionError", UserWarning)
+    assert [(w.category, str(w.message)) for w in caught] == [
+        (cache.CacheWarning, f"{tmp_path / 'jax'} cannot be written: JAX's compilation cache there is read, and takes "
+         "no new executable")
+    ]
+    assert jax_config["jax_compilation_cache_dir"] == str(tmp_path / "jax")
+
+
+def test_the_applications_jax_cache_is_left_alone(tmp_path: Path, monkeypatch, jax_config) -> None:
+    from nsa_dsl.runtime import dispatch
+
+    monkeypatch.setenv("NSA_DSL_CACHE_DIR", str(tmp_path))
+    jax_config["jax_compilation_cache_dir"] = str(tmp_path / "mine")
+    dispatch.use_compilation_cache()
+    assert jax_config == {"jax_compilation_cache_dir": str(tmp_path / "mine")}
+    assert not (tmp_path / "jax").exists()
+
+
 def test_a_killed_writers_jax_cache_entries_are_written_again(tmp_path: Path) -> None:
     """A process killed while JAX wrote its compilation cache leaves entries truncated, which JAX
     would warn about and compile around in every later process without rewriting them: the next
@@ -350,6 +437,7 @@ def test_a_killed_writers_jax_cache_entries_are_written_again(tmp_path: Path) ->
 
 
 @pytest.mark.filterwarnings("ignore:Error reading persistent compilation cache")  # JAX's own cache, under the same root
+@pytest.mark.filterwarnings("ignore:JAX's compilation cache stays off")  # ... where this process turns it on
 @pytest.mark.parametrize("taken", ["root_is_a_file", "entry_is_a_directory"])
 def test_a_cache_that_cannot_be_written_runs_the_module_from_memory(tmp_path: Path, monkeypatch, taken: str) -> None:
     """A cache that cannot take an entry (a read-only or shared directory, a path taken by

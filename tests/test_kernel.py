@@ -130,8 +130,41 @@ def test_kernel_and_function_are_one_path(rng):
     np.testing.assert_array_equal(np.asarray(by_function), np.asarray(by_run))
     np.testing.assert_array_equal(np.asarray(by_function), np.asarray(by_default))
     for bad in (42, Config, "fastest"):
-        with pytest.raises(ValueError, match="cfg must be a NativeSparseAttentionConfig, 'autotune', 'heuristic' or None"):
+        with pytest.raises(ValueError, match=r"cfg must be a NativeSparseAttentionConfig \(nsa_dsl's or ejkernel's\), "
+                           "'autotune', 'heuristic' or None"):
             nsa_dsl.native_sparse_attention(q, k, v, None, g_slc, indices, 2, cfg=bad)
+
+
+@dataclasses.dataclass(frozen=True)
+class EjkernelConfig:
+    """ejkernel 0.0.80's NativeSparseAttentionConfig, field for field (ejkernel is not a dependency)."""
+
+    platform: str = "auto"
+    backend: str = "any"
+    block_q: int = 64
+    block_k: int = 64
+    block_d: int = 64
+    block_size: int = 64
+    num_warps: int = 4
+    num_stages: int = 1
+
+
+def test_ejkernels_configurations_run_unchanged(rng):
+    """ejkernel's configuration object was refused ("cfg must be a NativeSparseAttentionConfig, ...,
+    got NativeSparseAttentionConfig"): converted setting by setting, its block_size included."""
+    q, k, v, indices = inputs(rng)
+    g_slc = gate(rng, 1, 40, 4)
+    theirs = EjkernelConfig(platform="xla", block_size=BLOCK, block_k=16)
+    ours = Config(platform="xla", backend=None, block_q=64, block_k=16, block_d=64, block_size=BLOCK, num_warps=4,
+                  num_stages=1)
+    assert Config.of(theirs, "cfg", "or None") == ours
+    expected = nsa_dsl.native_sparse_attention(q, k, v, None, g_slc, indices, 2, cfg=ours)
+    np.testing.assert_array_equal(np.asarray(nsa_dsl.native_sparse_attention(q, k, v, None, g_slc, indices, 2, cfg=theirs)),
+                                  np.asarray(expected))
+    attention = nsa_dsl.compile("pattern p\nblock 16\nbranch main = window(20)\n", config=theirs)
+    assert attention.config == Config.of(theirs, "config", "or None")
+    with pytest.raises(ValueError, match="cfg.block_size must be a positive int"):  # its values are checked as ours
+        nsa_dsl.native_sparse_attention(q, k, v, None, g_slc, indices, 2, cfg=EjkernelConfig(block_size=0))
 
 
 def test_ignored_block_indices_are_reported_at_the_callers_line(rng):

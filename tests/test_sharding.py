@@ -378,6 +378,9 @@ def test_sharded_native_sparse_attention_chooses_its_cfg_for_one_shard(rng, monk
     assert invocation.arguments["query"].shape == (1, 32, 4, 16) and invocation.arguments["g_slc"].shape == (1, 32, 4)
     single = nsa_dsl.native_sparse_attention(q, k, v, g_cmp, g_slc, None, 3, cfg=nsa_dsl.NativeSparseAttentionConfig(block_size=BLOCK))
     assert_close(out, single, SHARDED_TOLERANCE, "native_sparse_attention")
+    # ejkernel's configuration object (its fields by name), as ejkernel's own callers pass it
+    theirs = type("NativeSparseAttentionConfig", (), {"block_size": BLOCK, "platform": "xla", "backend": "any"})()
+    assert_close(attention(q, k, v, g_cmp, g_slc, None, 3, cfg=theirs), single, SHARDED_TOLERANCE, "ejkernel's cfg")
 
 
 # ---- query_offset in the XLA module, against the float64 references ----------------------------

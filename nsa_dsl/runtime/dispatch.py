@@ -121,20 +121,38 @@ def kernel(
 ) -> Callable:
     """The generated module's jitted `entry` function for (platform, plan, config)."""
     check_supported(plan, platform)
-    use_compilation_cache()
     return jax.jit(getattr(codegen.load_module(platform, plan, for_device(config)), entry))
 
 
-@functools.lru_cache(maxsize=1)
 def use_compilation_cache() -> None:
     """Keep compiled executables on disk beside the generated modules, so that a new process
     does not compile a pattern again: JAX's persistent compilation cache, under
     $NSA_DSL_CACHE_DIR/jax, unless the application configured one (or NSA_DSL_JAX_CACHE=0), with
-    the entries a killed process left damaged removed first (jax_cache.discard_damaged).
+    the entries a killed process left damaged removed first (jax_cache.discard_damaged). JAX's
+    cache is the process's: from then on it holds every executable the process compiles.
+    Called at every call, so that a directory deleted while the process runs is made again (JAX
+    would fail to write every later entry). A directory this process cannot write is used for
+    reading, with one CacheWarning instead of JAX's warning at every entry it fails to write.
     Triton kernels compiled through jax-triton have their own cache (runtime/triton_cache.py)."""
-    if os.environ.get("NSA_DSL_JAX_CACHE") == "0" or jax.config.jax_compilation_cache_dir:
+    if os.environ.get("NSA_DSL_JAX_CACHE") == "0":
         return
     directory = codegen.cache_root() / "jax"
+    configured = jax.config.jax_compilation_cache_dir
+    if configured and configured != str(directory):
+        return  # the application's, or ours before $NSA_DSL_CACHE_DIR moved (JAX keeps the first it used)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        if not configured:
+            warnings.warn(f"JAX's compilation cache stays off: cannot make {directory}: {err.strerror or err}",
+                          codegen.CacheWarning, stacklevel=3)
+        return
+    if configured:
+        return
+    if not os.access(directory, os.W_OK):
+        warnings.warn(f"{directory} cannot be written: JAX's compilation cache there is read, and takes no new "
+                      "executable", codegen.CacheWarning, stacklevel=3)
+        warnings.filterwarnings("ignore", message="Error writing persistent compilation cache entry")
     jax_cache.discard_damaged(directory)
     jax.config.update("jax_compilation_cache_dir", str(directory))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -159,6 +177,7 @@ def selections(
     query_offset, scoring_query and compressed as for `attend`."""
     if not any(isinstance(b, p.TopKBranch) for b in plan.branches):
         raise ValueError(f"pattern {plan.name!r} has no topk branch")
+    use_compilation_cache()  # before the inputs' checks, whose operations compile too
     query, key, value, shapes = validate.attention_inputs(query, key, value, query_shard=query_offset is not None)
     cu = validate.cu_seqlens(cu_seqlens, shapes)
     shard = _query_shard(plan, query, query_offset, scoring_query, shapes, cu)
@@ -329,6 +348,7 @@ def attend(
     `scoring_query`, the queries of every row [B, T, HQ, D], which its top-k scores from.
     Gradients of a shard's call are its share: dk, dv and the softmax scale's are sums over the
     shards' calls (ShardedAttention adds them over the mesh)."""
+    use_compilation_cache()  # before the inputs' checks, whose operations compile too
     given = inputs(
         plan,
         query,
