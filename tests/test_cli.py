@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import nsa_dsl
 from nsa_dsl import cli, codegen, dsl
 from nsa_dsl.codegen import cache
 from nsa_dsl.plan import lower
@@ -105,10 +106,15 @@ def test_written_nsa_module_decodes_with_its_compressed_cache(tmp_path: Path) ->
     rng = np.random.default_rng(3)
     q, k, v = (rng.standard_normal((1, 150, heads, 16), dtype=np.float32) for heads in (4, 2, 2))
     gates = {name: rng.uniform(size=(1, 150, 4)).astype(np.float32) for name in ("g_cmp", "g_slc", "g_swa")}
-    whole = np.asarray(module.sparse_attention(q, k, v, gates=gates))
-    step = module.sparse_attention(q[:, 149:], k, v, gates={n: g[:, 149:] for n, g in gates.items()}, query_offset=149,
+    whole = np.asarray(module.sparse_attention(q, k, v, **gates))
+    step = module.sparse_attention(q[:, 149:], k, v, **{n: g[:, 149:] for n, g in gates.items()}, query_offset=149,
                                    compressed=module.compress(k, v))
     assert np.abs(np.asarray(step) - whole[:, 149:]).max() <= 1e-5 * np.abs(whole).max()
+    # called as nsa_dsl.compile's pattern is, with the same result
+    compiled = nsa_dsl.compile(ROOT / "examples" / "nsa.nsa")
+    np.testing.assert_array_equal(whole, np.asarray(compiled(q, k, v, **gates, platform="xla")))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'platform'"):  # the module's platform is its own
+        module.sparse_attention(q, k, v, **gates, platform="triton")
 
 
 def test_define_overrides_a_param(source_file: Path, tmp_path: Path, capsys) -> None:
