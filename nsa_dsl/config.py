@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, fields
 
 PLATFORMS = ("xla", "triton", "pallas")
@@ -44,6 +45,10 @@ class NativeSparseAttentionConfig:
     chunk_bytes: int | None = None
 
     def __post_init__(self) -> None:
+        for name in ("block_size", *_TILES):  # numpy's integers (sizes computed with numpy) as Python ints
+            value = getattr(self, name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, bool | int):
+                object.__setattr__(self, name, int(value))
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"cfg.block_size must be a positive int, got {self.block_size!r}")
         for name in _TILES:

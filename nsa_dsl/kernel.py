@@ -39,7 +39,7 @@ from .config import BACKENDS, NativeSparseAttentionConfig
 from .dsl import model
 from .plan import lower_keys
 from .plan import plan as p
-from .runtime import attend, choose_platform, resolve_platform
+from .runtime import attend, choose_platform, resolve_platform, validate
 from .runtime.triton_glue import next_power_of_two
 
 Cfg = TypeVar("Cfg")
@@ -73,10 +73,10 @@ def _is_concrete(value: object) -> bool:
     return isinstance(value, (np.ndarray, list, tuple)) or (isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer))
 
 
-def abstract(value: object) -> object:
-    """What a configuration may depend on of an argument, as JSON: an array's shape and dtype;
-    an int, bool, string or None itself; of a float only that it is one (a softmax scale
-    changes numbers, not code)."""
+def abstract(name: str, value: object) -> object:
+    """What a configuration may depend on of argument `name`, as JSON: an array's shape (concrete
+    sizes) and dtype; an int, bool, string or None itself; of a float only that it is one (a
+    softmax scale changes numbers, not code)."""
     if isinstance(value, np.generic):
         value = value.item()
     if value is None or isinstance(value, (bool, int, str)):
@@ -86,7 +86,7 @@ def abstract(value: object) -> object:
     if isinstance(value, (list, tuple)):
         value = np.asarray(value)
     if _is_array(value):
-        return {"shape": [int(n) for n in value.shape], "dtype": str(np.dtype(value.dtype))}
+        return {"shape": list(validate.concrete_shape(name, value.shape)), "dtype": str(np.dtype(value.dtype))}
     return {"type": type(value).__name__}
 
 
@@ -117,8 +117,8 @@ class Invocation(Generic[Cfg, Out]):
         return {
             "op": self.op_id,
             "method": self.method,
-            "arguments": {name: abstract(value) for name, value in self.arguments.items()},
-            "static": {name: abstract(value) for name, value in self.static.items()},
+            "arguments": {name: abstract(name, value) for name, value in self.arguments.items()},
+            "static": {name: abstract(name, value) for name, value in self.static.items()},
         }
 
     @functools.cached_property

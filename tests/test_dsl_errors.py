@@ -737,3 +737,15 @@ def test_compile_refuses_a_pattern_name_that_is_no_str():
     for name in (1, 2.5, b"p"):
         with pytest.raises(ValueError, match=f"^pattern must be a str or None, got {type(name).__name__}$"):
             nsa_dsl.compile(text, pattern=name)
+
+
+def test_a_str_naming_a_file_that_is_not_nsa_says_how_to_read_it(tmp_path):
+    """A str is a path only when it ends in .nsa: other names were parsed as text, "unexpected '/'"
+    with nothing to say why."""
+    path = tmp_path / "pattern.txt"
+    path.write_text("pattern p\nblock 16\nbranch m = window(3)\n")
+    err = failure(str(path))
+    assert (err.line, err.column) == (1, 1)
+    assert err.hint == (f"{str(path)!r} names a file, read as .nsa text: pass pathlib.Path({str(path)!r}) to read the "
+                        "file (a str is a path only when it ends in .nsa)")
+    assert load(path) == load(path.read_text())

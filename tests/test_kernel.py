@@ -187,6 +187,8 @@ def test_ignored_block_indices_are_reported_at_the_callers_line(rng):
         ({"num_stages": 0}, "num_stages must be a positive int"),
         ({"chunk_bytes": -1}, "chunk_bytes must be a positive int"),
         ({"block_size": True}, "block_size must be a positive int"),
+        ({"block_size": np.bool_(True)}, "block_size must be a positive int"),
+        ({"block_k": np.int64(48)}, "block_k must be a power of two"),
         ({"platform": "cuda"}, "platform must be one of"),
         ({"backend": "npu"}, "backend must be"),
     ],
@@ -194,6 +196,13 @@ def test_ignored_block_indices_are_reported_at_the_callers_line(rng):
 def test_illegal_settings_are_refused(settings, message):
     with pytest.raises(ValueError, match=message):
         Config(**settings)
+
+
+def test_numpy_integers_are_settings_as_python_ints():
+    """Sizes computed with numpy (np.int64) were refused as "must be a positive int"."""
+    settings = Config(block_size=np.int64(32), block_k=np.int32(64), num_stages=np.uint8(2))
+    assert settings == Config(block_size=32, block_k=64, num_stages=2)
+    assert all(type(getattr(settings, name)) is int for name in ("block_size", "block_k", "num_stages"))
 
 
 def test_ejkernels_default_configuration_runs_unchanged(rng):

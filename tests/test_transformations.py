@@ -140,3 +140,19 @@ def test_vmap_and_checkpoint_give_what_the_plain_calls_give(rng, platform):
     assert_close(jax.vmap(output)(q_stack), np.stack(one_by_one), 1e-6, "vmap")
     assert_close(jax.vmap(jax.grad(loss))(q_stack), np.stack(grads), 1e-5, "vmap of grad")
     assert_close(jax.grad(jax.checkpoint(loss))(q_stack[0]), grads[0], 1e-6, "checkpoint")
+
+
+def test_a_symbolic_length_is_a_clear_error():
+    """jax.export with a symbolic sequence length: the block tables are built for one length, so it
+    cannot be exported; it was a TypeError deep in the tables ("'_DimExpr' object cannot be
+    interpreted as an integer")."""
+    from jax import export
+
+    attention = nsa_dsl.compile("pattern p\nblock 16\nbranch main = window(20)\n")
+    (length,) = export.symbolic_shape("t")
+    q = jax.ShapeDtypeStruct((1, length, 2, 8), jnp.float32)
+    kv = jax.ShapeDtypeStruct((1, length, 1, 8), jnp.float32)
+    with pytest.raises(ValueError, match=r"query must have concrete sizes, got shape \(1, t, 2, 8\)"):
+        export.export(jax.jit(attention))(q, kv, kv)
+    with pytest.raises(ValueError, match="query must have concrete sizes"):
+        export.export(jax.jit(lambda q, k, v: nsa_dsl.native_sparse_attention(q, k, v, None, None, None, 1)))(q, kv, kv)

@@ -223,7 +223,16 @@ def read(source: str | os.PathLike, *, file: str | None = None) -> ast.Module:
             raise NsaError(f"cannot read {str(path)!r}: {err.strerror or err}", file=file or str(path)) from None
         return parse(_decoded(data, file or str(path)), file=file or str(path))
     if isinstance(source, str):
-        return parse(source, file=file or "<string>")
+        try:
+            return parse(source, file=file or "<string>")
+        except NsaSyntaxError as err:
+            if "\n" in source or not os.path.isfile(source):
+                raise
+            raise NsaSyntaxError(
+                err.message, file=err.file, line=err.line, column=err.column, source_line=err.source_line,
+                hint=f"{source!r} names a file, read as .nsa text: pass pathlib.Path({source!r}) to read the file "
+                "(a str is a path only when it ends in .nsa)",
+            ) from None
     raise TypeError(f"source must be .nsa text or a path to a .nsa file, got {type(source).__name__}")
 
 

@@ -68,6 +68,16 @@ def _as_int32(array, xp):
     return array.astype(xp.int32)
 
 
+def concrete_shape(name: str, shape: tuple) -> tuple[int, ...]:
+    """`shape`, whose sizes must be numbers: jax.export's symbolic sizes cannot size block tables."""
+    if not all(isinstance(size, int) for size in shape):
+        raise ValueError(
+            f"{name} must have concrete sizes, got shape {shape}: the block tables and kernels are built "
+            "for one length and head count (export one function per shape rather than a symbolic one)"
+        )
+    return shape
+
+
 def _is_concrete(x: jax.Array) -> bool:
     return not isinstance(x, jax.core.Tracer)
 
@@ -78,6 +88,8 @@ def attention_inputs(
     """The inputs as arrays, and their shapes. With `query_shard` (a query_offset was given) the
     queries may be fewer than the keys: one shard of the sequence axis against all of it."""
     query, key, value = _array("query", query), _array("key", key), _array("value", value)
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        concrete_shape(name, x.shape)
     if query.ndim != 4:
         raise ValueError(f"query must be [batch, seq_len, num_q_heads, head_dim], got shape {query.shape}")
     if query.dtype not in _FLOAT_DTYPES:
