@@ -266,6 +266,13 @@ def test_real_xla_module_is_cached_and_imported(tmp_path: Path, monkeypatch) -> 
     assert module.PLAN == p and callable(module.attention)
 
 
+def fresh_process_env(cache: Path, jax_cache: str = "1") -> dict[str, str]:
+    """The environment of a new interpreter that imports this checkout's nsa_dsl with its caches in `cache`."""
+    checkout = str(Path(__file__).resolve().parent.parent)
+    return {**os.environ, "NSA_DSL_CACHE_DIR": str(cache), "NSA_DSL_JAX_CACHE": jax_cache,
+            "PYTHONPATH": os.pathsep.join([checkout, os.environ.get("PYTHONPATH", "")])}
+
+
 def test_compiled_executables_persist_for_the_next_process(tmp_path):
     """A pattern's compiled XLA executable lands in $NSA_DSL_CACHE_DIR/jax (JAX's persistent
     compilation cache), so a new process loads it instead of compiling; NSA_DSL_JAX_CACHE=0
@@ -278,8 +285,7 @@ def test_compiled_executables_persist_for_the_next_process(tmp_path):
     )
     for setting, expect_entries in (("1", True), ("0", False)):
         cache = tmp_path / setting
-        env = {**os.environ, "NSA_DSL_CACHE_DIR": str(cache), "NSA_DSL_JAX_CACHE": setting,
-               "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")])}
+        env = fresh_process_env(cache, jax_cache=setting)
         subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=300)
         entries = list((cache / "jax").glob("*")) if (cache / "jax").exists() else []
         assert bool(entries) == expect_entries, (setting, entries)
@@ -333,8 +339,7 @@ def test_a_jax_cache_deleted_while_the_process_runs_is_made_again(tmp_path: Path
         "(jnp.arange(7) * 3).block_until_ready()  # the application's own\n"
         "print(len(list((cache_root() / 'jax').glob('*-cache'))))\n"
     )
-    env = {**os.environ, "NSA_DSL_CACHE_DIR": str(tmp_path), "NSA_DSL_JAX_CACHE": "1",
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")])}
+    env = fresh_process_env(tmp_path)
     result = subprocess.run([sys.executable, "-c", script], env=env, timeout=300, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert int(result.stdout.split()[-1]) >= 2, result.stdout
@@ -416,8 +421,7 @@ def test_a_killed_writers_jax_cache_entries_are_written_again(tmp_path: Path) ->
         "q = np.random.default_rng(0).standard_normal((1, 40, 2, 8), dtype=np.float32)\n"
         "attn(q, q[:, :, :1], q[:, :, :1]).block_until_ready()\n"
     )
-    env = {**os.environ, "NSA_DSL_CACHE_DIR": str(tmp_path), "NSA_DSL_JAX_CACHE": "1",
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")])}
+    env = fresh_process_env(tmp_path)
 
     def run():
         return subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=300, capture_output=True,
