@@ -79,4 +79,3 @@ class NativeSparseAttentionConfig:
                              f"got {type(value).__name__}")
         settings = {f.name: getattr(value, f.name) for f in fields(cls) if hasattr(value, f.name)}
         return cls(**settings)
-

@@ -267,17 +267,18 @@ class _PatternChecker:
         """`raw` (a Python value or -D text) as a value of the declared param's type."""
         kind = _kind(declared)
         value = _parse_override(raw, type(declared)) if isinstance(raw, str) else _python_scalar(raw)
-        numbers = (int, float) if type(declared) is float else (type(declared),)
-        if type(value) not in numbers:
+        kinds = (int, float) if type(declared) is float else (type(declared),)
+        if type(value) not in kinds:
             raise self.error(
                 decl.name,
                 f"override {decl.name.name}={raw!r} does not fit: param '{decl.name.name}' is {kind}",
                 f"give {kind}, e.g. -D {decl.name.name}={_show(declared)}",
             )
-        if type(declared) is int and abs(value) > MAX_INT:
-            raise self.error(decl.name, f"override {decl.name.name}={raw!r} is out of range: at most 2**63 - 1 in magnitude")
-        if type(declared) is float and not (math.isfinite(value) and abs(value) <= 1e308):
-            raise self.error(decl.name, f"override {decl.name.name}={raw!r} is out of range: at most 1e308 in magnitude")
+        # (a bool is never out of range: |True| = 1)
+        too_large = abs(value) > MAX_INT if type(declared) is int else not (math.isfinite(value) and abs(value) <= 1e308)
+        if too_large:
+            limit = "2**63 - 1" if type(declared) is int else "1e308"
+            raise self.error(decl.name, f"override {decl.name.name}={raw!r} is out of range: at most {limit} in magnitude")
         return float(value) if type(declared) is float else value
 
     # ---- expressions -----------------------------------------------------------------------
