@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 
 from . import codegen, dsl
-from .config import NativeSparseAttentionConfig
+from .config import PLATFORMS, NativeSparseAttentionConfig
 from .dsl import model
 from .kernel import NativeSparseAttention, compressed_selection_plan, selection_plan
 from .plan import lower
@@ -19,7 +19,7 @@ from .runtime import (
     selections,
 )
 from .runtime.check import CheckReport, check_pattern
-from .runtime.platform import for_device
+from .runtime.platform import for_device, has_generator
 
 __all__ = [
     "CheckReport",
@@ -95,8 +95,11 @@ class SparseAttention:
     config: NativeSparseAttentionConfig | None = None
 
     def source(self, platform: str | None = None) -> str:
-        """The generated module's source for `platform` (None: the one calls would run on)."""
-        platform = choose_platform(self.plan, platform, self.config)
+        """The generated module's source for `platform` (None: the one calls would run on). A
+        platform named here needs none of its packages installed: rendering imports none of them,
+        as nsa-compile writes the module."""
+        if not (platform in PLATFORMS and has_generator(platform)):
+            platform = choose_platform(self.plan, platform, self.config)
         check_supported(self.plan, platform)
         return codegen.source(platform, self.plan, for_device(self.config))
 

@@ -4,6 +4,7 @@ errors that name the argument), compile() and SparseAttention, platforms, check_
 from __future__ import annotations
 
 import inspect
+import sys
 from pathlib import Path
 
 import jax
@@ -146,6 +147,16 @@ def test_compile_a_file_with_overrides(rng):
     assert_close(attention(q, k, v), reference.forward(q, k, v, [mask], [None], 1 / np.sqrt(32)), FORWARD_TOLERANCE, "longformer")
     source = attention.source("xla")
     assert "pattern `longformer`" in source and "window = 48" in source and "window(48) | global(first=1)" in source
+
+
+def test_source_of_a_platform_whose_packages_are_missing_is_rendered(rng, monkeypatch):
+    """Rendering needs none of a platform's packages (nsa-compile writes the module without triton):
+    source("triton") refused with "platform='triton' is not available" where triton was missing."""
+    monkeypatch.setitem(sys.modules, "triton", None)  # importlib.util.find_spec: not installed
+    attention = nsa_dsl.compile(EXAMPLES / "longformer.nsa")
+    assert "@triton.jit" in attention.source("triton")
+    with pytest.raises(ValueError, match="platform='triton' is not available"):  # calls do need it
+        attention(*qkv(rng, 1, 16, 1, 1, 8), platform="triton")
 
 
 SOURCE = """
