@@ -210,6 +210,11 @@ def lookup(kernel: Kernel, inv: Invocation) -> Any | None:
     with _known_lock:
         if path not in _known:
             found = read_entry(path, kernel.config_type)
+            if found is not None and not kernel.admits(inv, found[0]):
+                warnings.warn(f"nsa_dsl ignored the tuned configuration at {path}: {found[0]} would change the "
+                              "result, which tuning never does (an entry edited or copied from elsewhere)",
+                              CacheWarning, stacklevel=4)
+                found = None
             _known[path] = found[0] if found is not None else None
         return _known[path]
 

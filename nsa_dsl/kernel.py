@@ -273,6 +273,12 @@ class Kernel(Generic[Cfg, Out]):
         """The configuration whose result candidates must reproduce."""
         return self.heuristic_cfg(inv)
 
+    def admits(self, inv: Invocation, cfg: Cfg) -> bool:
+        """Whether a stored tuned `cfg` may serve `inv`: tuning stores only configurations that
+        reproduce reference_cfg's result, so one whose settings change the result (an entry edited
+        by hand, or copied from elsewhere with its checksum) is not one it stored."""
+        return True
+
     def check_invocation(self, inv: Invocation) -> None:
         """Raise run's error for arguments it would refuse: tracing run on their shapes and
         dtypes, with the values of concrete integer arrays (indices and offsets, whose values
@@ -473,6 +479,10 @@ class NativeSparseAttention(Kernel[NativeSparseAttentionConfig, jax.Array]):
 
     def reference_cfg(self, inv: Invocation) -> NativeSparseAttentionConfig:
         return NativeSparseAttentionConfig(block_size=self.block_size, platform="xla", backend=jax.default_backend())
+
+    def admits(self, inv: Invocation, cfg: NativeSparseAttentionConfig) -> bool:
+        """The block size is the result's meaning, the backend the device's kernels'."""
+        return cfg.block_size == self.block_size and cfg.backend in (None, jax.default_backend())
 
     def tunes_lazily(self, inv: Invocation) -> bool:
         """Compiled GPU/TPU kernels (Triton, Pallas) are tuned the first time a shape is seen;

@@ -413,6 +413,26 @@ def test_a_damaged_entry_is_ignored(tuned, tmp_path, damage):
     assert autotune.read_entry(tuned.path, Config)[0] == tuned.cfg
 
 
+@pytest.mark.parametrize("edit", [{"block_size": 2 * BLOCK}, {"block_size": BLOCK // 2}, {"backend": "tpu"}])
+def test_a_stored_entry_that_would_change_the_result_is_ignored(tuned, monkeypatch, no_tuning, edit):
+    """An entry edited by hand (its checksum recomputed) or copied from elsewhere to another block
+    size computed another pattern, silently (1.97 off the defaults' output in a user's review):
+    tuning stores only configurations that reproduce the reference, so lookup ignores it, warning."""
+    text = tuned.path.read_text()
+    stored = json.loads(text)
+    stored["entry"]["cfg"].update(edit)
+    stored["sha256"] = autotune._checksum(stored["entry"])
+    try:
+        tuned.path.write_text(json.dumps(stored))
+        autotune.forget()
+        with pytest.warns(nsa_dsl.CacheWarning, match="ignored the tuned configuration at .* would change the result"):
+            assert autotune.lookup(tuned.nsa, tuned.inv) is None
+    finally:
+        tuned.path.write_text(text)
+        autotune.forget()
+    assert autotune.lookup(tuned.nsa, tuned.inv) == tuned.cfg
+
+
 class Fresh(nsa_dsl.NativeSparseAttention):
     """NativeSparseAttention with entries of its own (its candidate: one of tuned.candidates)."""
 
