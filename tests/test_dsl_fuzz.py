@@ -30,10 +30,10 @@ def outcome(text: str, **kwargs) -> None:
     except NsaError as err:
         str(err)  # the message always formats
         if err.line is not None:
-            lines = text.split("\n")
+            lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")  # LF, CRLF and CR each end a line
             assert 1 <= err.line <= len(lines)
             assert 1 <= err.column <= len(lines[err.line - 1]) + 1
-            assert err.source_line == lines[err.line - 1].rstrip("\r")
+            assert err.source_line == lines[err.line - 1]
         return
     assert patterns and all(isinstance(p, model.Pattern) for p in patterns)
     for pattern in patterns:
