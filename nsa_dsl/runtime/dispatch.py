@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import warnings
@@ -138,16 +139,16 @@ def use_compilation_cache() -> None:
         return
     directory = codegen.cache_root() / "jax"
     configured = jax.config.jax_compilation_cache_dir
-    if configured and configured != str(directory):
-        return  # the application's, or ours before $NSA_DSL_CACHE_DIR moved (JAX keeps the first it used)
+    if configured:
+        if configured == str(directory):  # ours, made again if it was deleted under this process
+            with contextlib.suppress(OSError):
+                directory.mkdir(parents=True, exist_ok=True)
+        return  # else the application's, or ours before $NSA_DSL_CACHE_DIR moved (JAX keeps the first it used)
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        if not configured:
-            warnings.warn(f"JAX's compilation cache stays off: cannot make {directory}: {err.strerror or err}",
-                          codegen.CacheWarning, stacklevel=3)
-        return
-    if configured:
+        warnings.warn(f"JAX's compilation cache stays off: cannot make {directory}: {err.strerror or err}",
+                      codegen.CacheWarning, stacklevel=3)
         return
     if not os.access(directory, os.W_OK):
         warnings.warn(f"{directory} cannot be written: JAX's compilation cache there is read, and takes no new "
