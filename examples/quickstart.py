@@ -32,7 +32,7 @@ def main() -> None:
     plan = attention.plan
     print(f"pattern {plan.name}: block {plan.block_size}, {'causal' if plan.causal else 'bidirectional'}, "
           f"params {dict(plan.params)}")
-    print(f"generated module: {nsa_dsl.codegen.cache_path('xla', plan)}")
+    print(f"generated module: {attention.module_path()}")
 
     batch, seq_len, heads_q, heads_kv, head_dim = 1, args.seq_len, 8, 2, 64
     rng = np.random.default_rng(0)

@@ -8,7 +8,8 @@ top-k selection and a sliding window, combined by gates computed from the layer'
 linear layer and a sigmoid, as in the paper), an MLP and a next-token loss, trained with Adam
 under jax.jit and jax.grad. The data are random 8-token motifs repeated along each
 sequence: the next token is the one 8 positions back, inside the window, so attention can
-learn to fetch it and the loss falls (to about 0.25: a motif's first 8 tokens are random).
+learn to fetch it and the loss falls (to ~0.31 with the window, ~0.34 with NSA after the default 80
+steps, ~0.24 after 300: a motif's first 8 tokens are random; 2026-12-06, this CPU).
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from . import codegen, dsl
 from .config import PLATFORMS, NativeSparseAttentionConfig
@@ -98,10 +99,22 @@ class SparseAttention:
         """The generated module's source for `platform` (None: the one calls would run on). A
         platform named here needs none of its packages installed: rendering imports none of them,
         as nsa-compile writes the module."""
+        return codegen.source(*self._generated(platform))
+
+    def module_path(self, platform: str | None = None) -> Path:
+        """The file in the on-disk cache that calls on `platform` (as for source()) import the
+        generated module from, written now if it is not there yet (where the cache cannot be
+        written it does not exist: calls run the module from memory, with a CacheWarning)."""
+        generated = self._generated(platform)
+        codegen.source(*generated)
+        return codegen.cache_path(*generated)
+
+    def _generated(self, platform: str | None) -> tuple[str, p.Plan, NativeSparseAttentionConfig]:
+        """(platform, plan, device configuration) naming the generated module of `platform`."""
         if not (platform in PLATFORMS and has_generator(platform)):
             platform = choose_platform(self.plan, platform, self.config)
         check_supported(self.plan, platform)
-        return codegen.source(platform, self.plan, for_device(self.config))
+        return platform, self.plan, for_device(self.config)
 
     def selections(self, query, key, value, *, cu_seqlens=None, softmax_scale=None, platform: str | None = None,
                    pool_fns=None, query_offset=None, scoring_query=None, compressed=None):

@@ -1,6 +1,6 @@
 """`nsa-compile`: compile the patterns of a `.nsa` file to importable kernel modules.
 
-    nsa-compile FILE.nsa [-D name=value ...] [--pattern NAME] [--platform xla[,triton]]
+    nsa-compile FILE.nsa [-D name=value ...] [--pattern NAME] [--platform xla[,triton][,pallas]]
                 [-o DIR] [--show-plan] [--check] [--seq-len T]
 
 For every pattern and platform it writes DIR/<pattern>_<platform>.py and prints a summary:

@@ -149,6 +149,17 @@ def test_compile_a_file_with_overrides(rng):
     assert "pattern `longformer`" in source and "window = 48" in source and "window(48) | global(first=1)" in source
 
 
+def test_module_path_names_the_file_calls_import(rng):
+    """examples/quickstart.py printed codegen.cache_path('xla', plan), a key without the device's
+    configuration: a file that was never written, while calls imported another."""
+    attention = nsa_dsl.compile(EXAMPLES / "longformer.nsa", window=40)
+    path = attention.module_path("xla")
+    assert path.read_text() == attention.source("xla")
+    attention(*qkv(rng, 1, 80, 2, 1, 8), platform="xla")
+    imported = {getattr(module, "__file__", None) for module in list(sys.modules.values())}
+    assert str(path) in imported
+
+
 def test_source_of_a_platform_whose_packages_are_missing_is_rendered(rng, monkeypatch):
     """Rendering needs none of a platform's packages (nsa-compile writes the module without triton):
     source("triton") refused with "platform='triton' is not available" where triton was missing."""

@@ -386,6 +386,13 @@ SEMANTIC = [
         None,
     ),
     (
+        CMP + "branch b = compress(32, 16) gate g per token",
+        "`per token` sets a topk branch's selection granularity; 'b' is a compress branch",
+        4,
+        36,
+        None,
+    ),
+    (
         CMP + "branch b = topk(4, score=cmp) per block(3)",
         "per block size must be a power of two >= 1, got 3",
         4,

@@ -249,11 +249,10 @@ def test_selection_granularity():
         branch c = topk(4, score=cmp) per block(64)
         branch d = topk(4, score=cmp) per block(q * 2) gate g_slc default 1 if on
         branch e = topk(4, score=cmp) if on per block(1) gate g_slc default 1
-        branch f = local(1) per token
         param on = true
         """
     )
-    assert [b.query_block for b in pattern.branches] == [1, 1, 1, 64, 64, 1, 1]
+    assert [b.query_block for b in pattern.branches] == [1, 1, 1, 64, 64, 1]
 
 
 def test_topk_force_count_may_equal_what_force_adds():

@@ -562,11 +562,10 @@ class _PatternChecker:
         per = options.get("per")
         condition = options.get("if")
         query_block = 1
+        if per is not None and kind != "topk":
+            clause = "per block(...)" if isinstance(per, ast.PerBlock) else "per token"
+            raise self.error(per, f"`{clause}` sets a topk branch's selection granularity; '{name}' is a {kind} branch")
         if isinstance(per, ast.PerBlock):
-            if kind != "topk":
-                raise self.error(
-                    per, f"`per block(...)` sets a topk branch's selection granularity; '{name}' is a {kind} branch"
-                )
             query_block = self.block_size_value(per.size, "per block size", minimum=1, scope=_Scope())
             if query_block > self.block_size:
                 # Kernels tile queries by the pattern's block; a selection group must fit in a tile.
