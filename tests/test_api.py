@@ -600,9 +600,12 @@ def test_gate_and_param_names_cannot_be_the_calls_own_arguments():
     from nsa_dsl.dsl.check import CALL_ARGUMENTS
 
     call = set(inspect.signature(nsa_dsl.SparseAttention.__call__).parameters) - {"g_cmp", "g_slc", "g_swa", "extra_gates"}
+    written = {}  # a module nsa-compile writes
+    exec(nsa_dsl.compile(EXAMPLES / "longformer.nsa").source("xla"), written)
+    call |= set(inspect.signature(written["sparse_attention"]).parameters) - {"gates"}
     assert CALL_ARGUMENTS["gate"] == call
     assert CALL_ARGUMENTS["param"] == set(inspect.signature(nsa_dsl.compile).parameters) - {"params"}
-    for name in ("query", "cu_seqlens", "platform", "compressed"):
+    for name in ("query", "cu_seqlens", "platform", "compressed", "config"):
         with pytest.raises(nsa_dsl.NsaSemanticError, match=f"'{name}' cannot name a gate"):
             nsa_dsl.compile(f"pattern p\nblock 16\ngate {name}\nbranch b = local(1) gate {name}\n")
     with pytest.raises(nsa_dsl.NsaSemanticError, match="'config' cannot name a param"):

@@ -113,8 +113,29 @@ def test_written_nsa_module_decodes_with_its_compressed_cache(tmp_path: Path) ->
     # called as nsa_dsl.compile's pattern is, with the same result
     compiled = nsa_dsl.compile(ROOT / "examples" / "nsa.nsa")
     np.testing.assert_array_equal(whole, np.asarray(compiled(q, k, v, **gates, platform="xla")))
-    with pytest.raises(TypeError, match="unexpected keyword argument 'platform'"):  # the module's platform is its own
+    with pytest.raises(ValueError, match="platform: pattern 'nsa' has no gate"):  # the module's platform is its own
         module.sparse_attention(q, k, v, **gates, platform="triton")
+
+
+def test_written_module_takes_gates_named_as_its_own_globals(tmp_path: Path) -> None:
+    """sparse_attention took each gate as a parameter of its name, which hid the module's PLAN and
+    nsa_dsl.runtime's attend from its body: gates named PLAN or attend failed every call."""
+    import numpy as np
+
+    text = "pattern own\nblock 16\ncausal\ngate PLAN\ngate attend\n"
+    text += "branch near = local(1) gate PLAN\nbranch far = window(40) gate attend\n"
+    (tmp_path / "own.nsa").write_text(text)
+    assert cli.main([str(tmp_path / "own.nsa"), "-o", str(tmp_path)]) == 0
+    spec = importlib.util.spec_from_file_location("own_xla", tmp_path / "own_xla.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal((1, 50, heads, 8), dtype=np.float32) for heads in (2, 1, 1))
+    gates = {name: rng.uniform(size=(1, 50, 2)).astype(np.float32) for name in ("PLAN", "attend")}
+    written = np.asarray(module.sparse_attention(q, k, v, **gates))
+    np.testing.assert_array_equal(written, np.asarray(nsa_dsl.compile(text)(q, k, v, **gates, platform="xla")))
+    swapped = np.asarray(module.sparse_attention(q, k, v, PLAN=gates["attend"], attend=gates["PLAN"]))
+    assert np.abs(written - swapped).max() > 0.1  # each gate weighs its own branch
 
 
 def test_define_overrides_a_param(source_file: Path, tmp_path: Path, capsys) -> None:

@@ -27,11 +27,12 @@ RESERVED_WORDS = frozenset(
     "pattern param block causal bidirectional gate branch default per token if true false".split()
 )
 # Names a gate or param cannot take because Python calls pass them by name beside the call's own
-# arguments (SparseAttention.__call__'s for gates, nsa_dsl.compile's for param overrides).
+# arguments (SparseAttention.__call__'s and generated modules' sparse_attention's for gates,
+# nsa_dsl.compile's for param overrides).
 CALL_ARGUMENTS = {
     "gate": frozenset(
         "self query key value cu_seqlens softmax_scale platform block_indices block_counts pool_fns query_offset "
-        "scoring_query compressed".split()
+        "scoring_query compressed config".split()
     ),
     "param": frozenset(("path_or_source", "pattern", "config")),
 }
