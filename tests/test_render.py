@@ -142,3 +142,39 @@ def test_hostile_override_is_a_semantic_error(overrides: dict[str, object]) -> N
     text = "pattern p\nparam w = 8\nblock 64\ncausal\nbranch main = window(w)\n"
     with pytest.raises(NsaSemanticError):
         dsl.load_pattern(text, overrides=overrides)
+
+
+def _names_read_but_never_bound(text: str) -> set[str]:
+    """Global names that some function of module `text` reads and that the module never binds
+    (nor are builtins): each a NameError once that function runs."""
+    import builtins
+    import symtable
+
+    top = symtable.symtable(text, "<generated>", "exec")
+    bound = {symbol.get_name() for symbol in top.get_symbols() if symbol.is_assigned() or symbol.is_imported()}
+    bound |= set(dir(builtins))
+    read = set()
+    scopes = list(top.get_children())
+    while scopes:
+        scope = scopes.pop()
+        # not is_local: symtable calls every symbol of a function named `top` global (its module's name)
+        read |= {symbol.get_name() for symbol in scope.get_symbols()
+                 if symbol.is_global() and not symbol.is_local() and symbol.is_referenced()}
+        scopes += scope.get_children()
+    return read - bound
+
+
+@pytest.mark.parametrize("backend", ["xla", "triton", "pallas", "tpu"])
+def test_every_name_a_rendered_module_reads_is_defined(backend: str) -> None:
+    """A template included for one feature emitted a function that called a name only another
+    feature's template defines (nsa_meanpool's Triton module read range_attention, defined for
+    static branches): dead there, a NameError wherever it would run."""
+    from nsa_dsl.config import NativeSparseAttentionConfig
+    from nsa_dsl.plan import lower
+
+    config = NativeSparseAttentionConfig(backend="tpu" if backend == "tpu" else "gpu")
+    platform = "pallas" if backend == "tpu" else backend
+    for path in sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.nsa")):
+        for pattern in dsl.load(path):
+            text = cache._render_module(platform, lower(pattern), config)
+            assert _names_read_but_never_bound(text) == set(), (path.name, pattern.name)

@@ -659,8 +659,9 @@ def test_hopper_compression_forward(rng, monkeypatch, block, stride, batch, seq_
 
 # ---- the window and the compression in one Hopper forward (templates/triton/hopper_window.py.j2) --
 
+# The module has the joined forward where a top-k scores with the compression (its lse is needed).
 WINDOW_AND_COMPRESSION = ("pattern p\nblock 64\ncausal\nbranch cmp = compress(block={}, stride={}) gate g_cmp\n"
-                          "branch swa = window({}) gate g_swa\n")
+                          "branch slc = topk(2, score=cmp) gate g_slc\nbranch swa = window({}) gate g_swa\n")
 
 
 def window_and_compression(block, stride, window, seq_len, heads_kv, group, head_dim, packed=False):
