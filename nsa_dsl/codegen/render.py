@@ -3,8 +3,9 @@
 Templates hold kernel text; Python decides what goes in. Only validated numbers and
 identifiers can reach generated source: the environment's `finalize` hook rejects any other
 value at every `{{ ... }}`, so a hostile name or parameter cannot inject code even if it got
-past the language's checks. The one structured value rendered, the plan itself, goes in as
-a Python literal built here from those same validated atoms (`plan_literal`).
+past the language's checks. Structured values (the plan, its host tables' branch names, the
+config's settings) go in through the `literal` filter as Python literals built here from those
+same validated atoms (`plan_literal`).
 """
 
 from __future__ import annotations
@@ -127,11 +128,11 @@ def template_texts(backend: str) -> str:
     invalidates entries. Backends import each other's macros (triton renders token masks with
     xla/mask.j2), so every backend's key covers every template; `backend` names the entry. The
     source of the Python the templates call to decide what goes in (the Jinja globals) counts too,
-    and so does that of the runtime modules generated code imports (nsa_dsl/runtime: layout,
-    triton_glue, xla_engine), read as text: a module cached against one version of them is never
-    run against another."""
+    and so does that of every runtime module (nsa_dsl/runtime/*.py, which generated code imports),
+    read as text: a module cached against one version of them is never run against another."""
     root = templates_dir()
-    deciders = "".join(f"\n{inspect.getsource(inspect.getmodule(fn))}" for fn in _TEMPLATE_GLOBALS.values())
+    modules = dict.fromkeys(inspect.getmodule(fn) for fn in _TEMPLATE_GLOBALS.values())  # one each, in order
+    deciders = "".join(f"\n{inspect.getsource(module)}" for module in modules)
     runtime = Path(__file__).resolve().parent.parent / "runtime"
     imported = "".join(f"\n{p.name}\n{p.read_text()}" for p in sorted(runtime.glob("*.py")))
     texts = "".join(f"\n{p.relative_to(root)}\n{p.read_text()}" for p in sorted(root.rglob("*.j2")))
