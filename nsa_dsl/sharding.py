@@ -58,18 +58,21 @@ def attend_shard(plan: p.Plan, query, key, value, *, sequence_axis: AxisName = N
     `sequence_axis`, the sequence is sharded along it (context parallelism): keys and values are
     gathered from every shard of the axis and the queries attend at their absolute rows. Batch
     and head sharding need no communication (or axis name) here."""
-    if sequence_axis is None:
-        return dispatch.attend(plan, query, key, value, **options)
-    key, value, shard = _whole_sequence(plan, query, key, value, sequence_axis, options)
-    return dispatch.attend(plan, query, key, value, **shard, **options)
+    return _on_shard(dispatch.attend, plan, query, key, value, sequence_axis, options)
 
 
 def selections_shard(plan: p.Plan, query, key, value, *, sequence_axis: AxisName = None, **options):
     """`runtime.selections` on one shard, inside `jax.shard_map` (as attend_shard)."""
+    return _on_shard(dispatch.selections, plan, query, key, value, sequence_axis, options)
+
+
+def _on_shard(entry, plan: p.Plan, query, key, value, sequence_axis: AxisName, options: dict):
+    """`entry` (dispatch.attend or dispatch.selections) of one shard's queries: with
+    sequence_axis, against the keys and values of the whole sequence (_whole_sequence)."""
     if sequence_axis is None:
-        return dispatch.selections(plan, query, key, value, **options)
+        return entry(plan, query, key, value, **options)
     key, value, shard = _whole_sequence(plan, query, key, value, sequence_axis, options)
-    return dispatch.selections(plan, query, key, value, **shard, **options)
+    return entry(plan, query, key, value, **shard, **options)
 
 
 def _whole_sequence(plan: p.Plan, query, key, value, sequence_axis: AxisName, options: dict):
