@@ -119,7 +119,8 @@ class SparseAttention:
     def selections(self, query, key, value, *, cu_seqlens=None, softmax_scale=None, platform: str | None = None,
                    pool_fns=None, query_offset=None, scoring_query=None, compressed=None):
         """The key blocks each topk branch selects for these inputs:
-        {branch name: [B, Tq, HKV, count] block ids of the branch's block size, -1 unused};
+        {branch name: [B, Tq, HKV, min(count, ceil(T / block))] block ids of the branch's block size,
+        -1 unused};
         query_offset, scoring_query and compressed as for calls."""
         return selections(self.plan, query, key, value, cu_seqlens=cu_seqlens, softmax_scale=softmax_scale,
                           platform=platform, config=self.config, pool_fns=pool_fns, query_offset=query_offset,

@@ -186,7 +186,7 @@ class ShardedAttention:
     def selections(self, query, key, value, *, cu_seqlens=None, softmax_scale=None, platform: str | None = None,
                    pool_fns=None):
         """The key blocks each topk branch selects, on global arrays: {branch name:
-        [B, T, HKV, count] block ids, -1 unused}, sharded by `spec`."""
+        [B, T, HKV, min(count, ceil(T / block))] block ids, -1 unused}, sharded by `spec`."""
         if not any(isinstance(b, p.TopKBranch) for b in self.plan.branches):
             raise ValueError(f"pattern {self.plan.name!r} has no topk branch")
         query, key, value, shapes = validate.attention_inputs(query, key, value)

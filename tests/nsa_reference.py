@@ -117,7 +117,7 @@ def overlap_weights(n_c: int, n_sel: int, spec: NsaSpec) -> np.ndarray:
 
 def nsa_reference(q, k, v, spec: NsaSpec, *, gates: dict[str, np.ndarray | None], scale: float | None = None,
                   cu_seqlens=None, selected: np.ndarray | None = None):
-    """Returns (output [B,T,HQ,D], outputs per branch, selection [B,T,HKV,n] (-1 padded),
+    """Returns (output [B,T,HQ,D], outputs per branch, selection [B,T,HKV,min(n, ceil(T / block))] (-1 padded),
     scores [B,T,HKV,n_sel] (the importance the selection ranked, -inf where invalid)).
 
     `selected`, if given, replaces the reference's own choice in the selection branch (tests
@@ -130,7 +130,7 @@ def nsa_reference(q, k, v, spec: NsaSpec, *, gates: dict[str, np.ndarray | None]
     n = spec.select_count
     n_sel_max = -(-total // spec.select_block)
     o_cmp, o_slc, o_swa = (np.zeros_like(q) for _ in range(3))
-    chosen = np.full((batch, total, hkv, n), -1)
+    chosen = np.full((batch, total, hkv, min(n, n_sel_max)), -1)  # no row has more blocks
     scores = np.full((batch, total, hkv, n_sel_max), -np.inf)
 
     for b in range(batch):

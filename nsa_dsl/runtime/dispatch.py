@@ -174,7 +174,7 @@ def selections(
     scoring_query=None,
     compressed=None,
 ):
-    """{top-k branch name: [B, Tq, HKV, count] selected block ids (-1 unused)} of `plan`;
+    """{top-k branch name: [B, Tq, HKV, min(count, ceil(T / block))] selected block ids (-1 unused)} of `plan`;
     query_offset, scoring_query and compressed as for `attend`."""
     if not any(isinstance(b, p.TopKBranch) for b in plan.branches):
         raise ValueError(f"pattern {plan.name!r} has no topk branch")

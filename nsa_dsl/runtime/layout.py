@@ -273,9 +273,12 @@ def fitted_selection(count: int, block: int, stride: int, keys: int) -> tuple[in
     return min(count, -(-keys // block)), block
 
 
-def padded_entries(selected: jax.Array, count: int) -> jax.Array:
-    """selected [..., S] with -1 entries up to `count` (>= S): a selection at its full width."""
-    return jnp.pad(selected, [(0, 0)] * (selected.ndim - 1) + [(0, count - selected.shape[-1])], constant_values=-1)
+def padded_entries(selected: jax.Array, count: int, blocks: int) -> jax.Array:
+    """selected [..., S] with -1 entries up to a top-`count`'s width among `blocks` key blocks,
+    min(count, blocks) (>= S): no row selects more blocks than there are, and a count of 2**31 - 1
+    (every block) would ask for that many columns."""
+    width = max(min(count, blocks), selected.shape[-1])
+    return jnp.pad(selected, [(0, 0)] * (selected.ndim - 1) + [(0, width - selected.shape[-1])], constant_values=-1)
 
 
 def clean_selection(block_indices, block_counts, row_info: Rows, block: int) -> jax.Array:
