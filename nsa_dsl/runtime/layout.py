@@ -392,6 +392,21 @@ def transposed_table(static: StaticKeys, block_size: int, causal: bool, seq_len:
     return table
 
 
+def kernel_tables(table, static: StaticKeys, block_size: int, causal: bool, seq_len: int, full_dtype) -> tuple:
+    """A static branch's block table `table` (indices, counts, full, atom_bits; the call's
+    argument) and its transpose, built on the host from the same keys, as the kernels read them:
+    int32 arrays, the full flags in `full_dtype` (Triton loads int8, Pallas int32)."""
+
+    def typed(parts):
+        indices, counts, full, atom_bits = parts
+        return (
+            jnp.asarray(indices, jnp.int32), jnp.asarray(counts, jnp.int32),
+            jnp.asarray(full, full_dtype), jnp.asarray(atom_bits, jnp.int32),
+        )
+
+    return typed(table), typed(transposed_table(static, block_size, causal, seq_len))
+
+
 class Compressed(NamedTuple):
     """A compress branch's pooled keys and values [C, HKV, D] (C = N // stride + number of
     sequences, a static bound; rows past cmp_offsets[-1] are never visible) and where each
