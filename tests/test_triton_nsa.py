@@ -868,6 +868,19 @@ def test_topk_ranks_a_given_group_mass(rng, monkeypatch, dtype):
     assert calls
 
 
+def test_topk_steps_fit_the_sequence_and_a_branch_forcing_nothing_reads_no_forced_table():
+    """A top-k step scores no more compressed keys than a sequence has (the sorting networks of
+    its candidates grow with the step), and a branch without force= skips the forced blocks' load
+    and merge (FORCED_WIDTH 0) whatever width its placeholder table has."""
+    module = compression_module(16, 16, TOPK)
+    unforced = module.TopK(4, 16, 1, module.Compression(16, 16, 2, 2, 16), False)
+    assert unforced.tiles(1)["KEYS"] == 64  # the widest step whose candidates fit TOPK_CANDIDATES
+    assert unforced.fitted(4096).tiles(1)["KEYS"] == 64
+    assert unforced.fitted(70).tiles(1)["KEYS"] == 16  # 5 keys: the least step (tl.dot's 16)
+    assert unforced.tiles(1)["FORCED_WIDTH"] == 0
+    assert unforced._replace(forces=True).tiles(3)["FORCED_WIDTH"] == 3
+
+
 def ranked_in_numpy(mass, seq_len, block, count):
     """Each (token, KV head)'s selection of topk(count, block=l', force=local(1)) scored by compress(
     block=l', stride=l') from a given mass [HKV, rows, width]: its own block first, then the blocks it
@@ -905,7 +918,7 @@ def test_topk_shortlists_rank_a_given_mass(request, rng, monkeypatch, kind, spli
     attn = nsa_dsl.compile(COMPRESSION_ONLY.format(64, 64) + TOPK, config=config)
     module = codegen.load_module("triton", attn.plan, for_device(attn.config))
     seq_len, heads_kv, group, head_dim, block, count = 520 if splits == 1 else 336, 2, 2, 16, 16, 4
-    spec = module.TopK(count, block, 1, module.Compression(block, block, heads_kv, group, head_dim, 0, seq_len))
+    spec = module.TopK(count, block, 1, module.Compression(block, block, heads_kv, group, head_dim, 0, seq_len), True)
     tokens = module.hopper_mass_tokens(spec)
     shape = (heads_kv, -(-seq_len // tokens) * tokens, mass_width(spec.compression))
     if kind == "independent":
@@ -964,7 +977,7 @@ def test_hopper_group_mass_applies_where_its_mass_fits(monkeypatch):
     monkeypatch.setattr(triton_glue, "_device_memory_bytes", lambda: 1 << 30)
 
     def applies(seq_len, group=16, heads_kv=4):
-        spec = module.TopK(16, 64, 1, module.Compression(64, 64, heads_kv, group, 128, 0, seq_len))
+        spec = module.TopK(16, 64, 1, module.Compression(64, 64, heads_kv, group, 128, 0, seq_len), True)
         q = jax.ShapeDtypeStruct((seq_len, heads_kv * group, 128), jnp.bfloat16)
         k_cmp = jax.ShapeDtypeStruct((seq_len // 64, heads_kv, 128), jnp.bfloat16)
         return module.hopper_mass_applies(spec, q, k_cmp)
@@ -981,7 +994,7 @@ def test_hopper_group_mass_lowers_for_cuda():
     for batch, seq_len, heads_kv, group, head_dim, dtype, block, stride in (
             (1, 1024, 4, 16, 128, jnp.bfloat16, 64, 64), (2, 1000, 2, 8, 64, jnp.float16, 32, 16),
             (1, 200, 3, 16, 64, jnp.bfloat16, 64, 64)):
-        spec = module.TopK(16, 64, 1, module.Compression(block, stride, heads_kv, group, head_dim, 0, seq_len))
+        spec = module.TopK(16, 64, 1, module.Compression(block, stride, heads_kv, group, head_dim, 0, seq_len), True)
         q = jax.ShapeDtypeStruct((batch * seq_len, heads_kv * group, head_dim), dtype)
         k_cmp = jax.ShapeDtypeStruct((batch * compressed_count(spec.compression), heads_kv, head_dim), dtype)
         lse = jax.ShapeDtypeStruct((batch * seq_len, heads_kv * group), jnp.float32)
@@ -994,7 +1007,7 @@ def check_hopper_group_mass(rng, block, stride, batch, seq_len, heads_kv, group,
     """hopper_group_mass against the float64 mass of its docstring, on every key each row sees (the
     lse: the reference's compression attention's, so each row's masses sum to 1 per head)."""
     module = compression_module(block, stride, TOPK)
-    spec = module.TopK(16, 64, 1, module.Compression(block, stride, heads_kv, group, head_dim, 0, seq_len))
+    spec = module.TopK(16, 64, 1, module.Compression(block, stride, heads_kv, group, head_dim, 0, seq_len), True)
     heads_q = heads_kv * group
     q = (rng.standard_normal((batch * seq_len, heads_q, head_dim)) * 2).astype(dtype)
     k_cmp = rng.standard_normal((batch * compressed_count(spec.compression), heads_kv, head_dim)).astype(dtype)
