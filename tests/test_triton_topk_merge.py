@@ -11,7 +11,7 @@ from nsa_reference import small_example
 
 import nsa_dsl
 from nsa_dsl import codegen
-from nsa_dsl.runtime import dispatch
+from nsa_dsl.runtime import dispatch, triton_glue
 
 
 @pytest.fixture(scope="module")
@@ -49,3 +49,25 @@ def test_topk_merge_keeps_the_best_blocks_of_every_share(rng, module, splits, co
         expected = [i for _, i in entries[:count]]
         expected += [-1] * (count - len(expected))
         assert list(np.asarray(chosen)[row]) == expected, f"row {row}"
+
+
+def test_a_launch_patches_the_interpreters_language_once(rng, module, monkeypatch):
+    """Triton's interpreter patched triton.language again on every call of a nested @triton.jit
+    function (merge_best's, Triton's bitonic merge's: hundreds a launch, ~1 ms each); triton_glue has
+    a launch patch each language module once, and restore them at its end."""
+    if triton_glue.on_gpu():
+        pytest.skip("compiled kernels: no interpreter")
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    patched, patch_builtin = [], interpreter._patch_builtin
+    monkeypatch.setattr(interpreter, "_patch_builtin", lambda pkg, *rest: patched.append(pkg) or patch_builtin(pkg, *rest))
+    ids = np.stack([rng.permutation(64).reshape(4, 16) for _ in range(19)], 1)
+    scores = rng.random(ids.shape).astype(np.float32)
+    arange = tl.arange
+    chosen = np.asarray(module.merge_topk_shares(jnp.asarray(ranking_keys(module, scores, ids).view(np.int32)), (19, 16)))
+    assert (chosen >= 0).all()
+    # At most once for each set of language modules a function sees (tl, tl.core, both): 4 + 3 + 6
+    # modules and classes, where every nested call patched them again.
+    assert 0 < len(patched) <= 13, " ".join(getattr(p, "__name__", "?") for p in patched)
+    assert tl.arange is arange  # restored

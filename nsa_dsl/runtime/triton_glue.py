@@ -113,6 +113,7 @@ def prepare_kernels() -> None:
             )
     os.environ["TRITON_INTERPRET"] = "1"
     _repair_interpreter_scalar_index()
+    _patch_language_once_a_launch()
 
 
 def _repair_interpreter_scalar_index() -> None:
@@ -137,6 +138,44 @@ def _repair_interpreter_scalar_index() -> None:
 
     patch_lang_tensor.nsa_dsl_scalar_index = True
     interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+def _patch_language_once_a_launch() -> None:
+    """Triton 3.6's interpreter patches triton.language for the interpreter (`_patch_lang`:
+    inspect.getmembers over tl, tl.tensor, tl.math, ...) when a launch starts and again on every
+    call of a nested @triton.jit function, ~1 ms a call: a quarter to a third of the interpreter's
+    time in kernels built of small helpers (the top-k's sorting networks). The patches replace
+    attributes of those shared modules in place, so a nested call finds done what it would do
+    for the modules the running launch has patched already; such a call skips it. The launch's
+    own scope restores the modules at its end (in a `finally`), and forgets them then."""
+    import inspect
+
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    patch_lang = getattr(interpreter, "_patch_lang", None)
+    if patch_lang is None or getattr(patch_lang, "nsa_dsl_once_a_launch", False):
+        return
+    patched: set[int] = set()  # ids of the language modules the running launch has patched
+
+    def patch_lang_once(fn):
+        languages = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
+        if patched and languages <= patched:
+            return interpreter._LangPatchScope()  # a nested call: nothing to patch or restore
+        scope = patch_lang(fn)
+        if not patched:  # the launch's own scope
+            restore = scope.restore
+
+            def restore_and_forget():
+                patched.clear()
+                restore()
+
+            scope.restore = restore_and_forget
+        patched.update(languages)
+        return scope
+
+    patch_lang_once.nsa_dsl_once_a_launch = True
+    interpreter._patch_lang = patch_lang_once
 
 
 def check_dtype(dtype) -> None:
