@@ -242,3 +242,13 @@ def test_bench_gpu_rows_measured_before_the_ratio_base_get_their_ratios(tmp_path
     log = (tmp_path / "bench_gpu.log").read_text()
     assert "against the ratio base found below them (pallas native)" in log
     assert any(line.startswith("triton pattern") and " 0.5 " in line for line in log.splitlines())
+
+
+def test_bench_vmap_times_every_way(tmp_path):
+    """A vmap of a compiled pattern on the Triton platform (its interpreter here), the elements
+    one at a time (lax.map) and the batched call: forward and forward + backward timed, outputs equal."""
+    pattern = BENCHMARKS.parent / "examples" / "sliding_window.nsa"
+    (row,) = dry_run("bench_vmap.py", tmp_path, "--pattern", str(pattern))["rows"]
+    for way in ("vmap", "lax.map", "batched"):
+        assert all(isinstance(row[f"{way} {what} ms"], float) for what in ("fwd", "fwd+bwd")), row
+        assert row[f"{way} max diff"] <= 1e-5, row

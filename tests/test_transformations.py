@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import reference
-from conftest import assert_close, gate, qkv
+from conftest import assert_close, gate, qkv, random_indices
 from nsa_reference import dense_nsa_output, small_example
 
 import nsa_dsl
@@ -140,6 +140,67 @@ def test_vmap_and_checkpoint_give_what_the_plain_calls_give(rng, platform):
     assert_close(jax.vmap(output)(q_stack), np.stack(one_by_one), 1e-6, "vmap")
     assert_close(jax.vmap(jax.grad(loss))(q_stack), np.stack(grads), 1e-5, "vmap of grad")
     assert_close(jax.grad(jax.checkpoint(loss))(q_stack[0]), grads[0], 1e-6, "checkpoint")
+
+
+def test_vmap_on_triton_launches_each_kernel_as_often_for_any_mapped_size(rng, monkeypatch):
+    """jax-triton launches have no batching rule, so each ran once per mapped element; a call whose
+    arrays all lead with the batch axis now runs once with the mapped axis folded into the batch
+    (runtime.batching): vmap, vmap of grad and grad of vmap launch as many kernels for 2 elements
+    as for 3, and give what the calls one by one give. Explicit selections and a gate are mapped,
+    keys, values and counts are not (their per-element gradients kept apart, or summed by grad)."""
+    from nsa_dsl.runtime import triton_glue
+
+    launches = []
+    interpret = triton_glue._interpret
+    monkeypatch.setattr(triton_glue, "_interpret", lambda *a, **k: launches.append(1) or interpret(*a, **k))
+    seq_len, heads_q, heads_kv, dim, block = 27, 6, 2, 10, 16
+    _, k, v = (jnp.asarray(x) for x in qkv(rng, 1, seq_len, heads_q, heads_kv, dim))
+    counts = jnp.asarray(rng.integers(0, 3, (1, seq_len, heads_kv)), jnp.int32)
+    weights = jnp.asarray(rng.standard_normal((1, seq_len, heads_q, dim)), jnp.float32)
+
+    def output(q, k, g_slc, indices):
+        return nsa_dsl.native_sparse_attention(
+            q, k, v, None, g_slc, indices, counts, None, cfg=nsa_dsl.NativeSparseAttentionConfig(block_size=block),
+            platform="triton",
+        )
+
+    def loss(q, k, g_slc, indices):
+        return (output(q, k, g_slc, indices) * weights).sum() + (output(q, k, g_slc, indices) ** 2).sum()
+
+    def launched(function, *arguments):
+        launches.clear()
+        result = jax.block_until_ready(function(*arguments))
+        return result, len(launches)
+
+    gradients = jax.grad(loss, argnums=(0, 1, 2))
+    transformations = {
+        "vmap": jax.vmap(output, in_axes=(0, None, 0, 0)),
+        "vmap of grad": jax.vmap(gradients, in_axes=(0, None, 0, 0)),
+        "grad of vmap": jax.grad(
+            lambda *a: jax.vmap(loss, in_axes=(0, None, 0, 0))(*a).sum(), argnums=(0, 1, 2)
+        ),
+    }
+    launch_counts = {}
+    for size in (2, 3):
+        q = jnp.asarray(np.stack([qkv(rng, 1, seq_len, heads_q, heads_kv, dim)[0] for _ in range(size)]))
+        g_slc = jnp.asarray(np.stack([gate(rng, 1, seq_len, heads_q) for _ in range(size)]))
+        indices = jnp.asarray(
+            np.stack([random_indices(rng, 1, seq_len, heads_kv, 3, block) for _ in range(size)]), jnp.int32
+        )
+        elements = [(q[i], k, g_slc[i], indices[i]) for i in range(size)]
+        expected = {
+            "vmap": np.stack([output(*e) for e in elements]),
+            "vmap of grad": [np.stack(d) for d in zip(*(gradients(*e) for e in elements))],
+        }
+        summed = [np.stack(d) for d in zip(*(gradients(*e) for e in elements))]
+        expected["grad of vmap"] = [summed[0], summed[1].sum(0), summed[2]]
+        for name, transformed in transformations.items():
+            got, launch_counts[name, size] = launched(transformed, q, k, g_slc, indices)
+            for what, actual, wanted in zip(("q", "k", "g_slc"), jax.tree.leaves(got), jax.tree.leaves(expected[name])):
+                assert_close(actual, wanted, 1e-5, f"{name}, d/d{what}" if name != "vmap" else name)
+    if not triton_glue.on_gpu():  # the interpreter's launches: jax-triton's are not counted
+        for name in transformations:
+            assert launch_counts[name, 2] == launch_counts[name, 3] > 0, launch_counts
 
 
 def test_a_symbolic_length_is_a_clear_error():

@@ -16,7 +16,7 @@ from .. import codegen
 from ..config import NativeSparseAttentionConfig
 from ..plan import build_block_table
 from ..plan import plan as p
-from . import compressed_cache, jax_cache, validate
+from . import batching, compressed_cache, jax_cache, validate
 from .platform import PlatformLimitError, available_platforms, for_device, resolve_platform
 
 # Branch kinds each platform's templates implement (Pallas: its GPU and its TPU variant alike).
@@ -367,18 +367,33 @@ def attend(
 
     def attention(chosen: str):
         fitted = kernel_plan(chosen, plan, given.shapes.seq_len)
-        return entry(chosen, fitted, config, "attention", pool_fns, pools=not cached)(
-            given.query,
-            given.key,
-            given.value,
-            gates=given.gates,
-            tables=kernel_tables(chosen, fitted, config, given.shapes.seq_len),
-            cu_seqlens=given.cu_seqlens,
-            softmax_scale=given.softmax_scale,
-            block_indices=given.block_indices,
-            block_counts=given.block_counts,
-            **shard,
-            **cached,
-        )
+        module_attention = entry(chosen, fitted, config, "attention", pool_fns, pools=not cached)
+
+        def call(floats, indices):
+            return module_attention(
+                *floats["qkv"],
+                gates=floats["gates"],
+                tables=kernel_tables(chosen, fitted, config, given.shapes.seq_len),
+                cu_seqlens=given.cu_seqlens,
+                softmax_scale=given.softmax_scale,
+                **indices,
+                **shard,
+                **cached,
+            )
+
+        floats = {"qkv": (given.query, given.key, given.value), "gates": given.gates}
+        indices = {"block_indices": given.block_indices, "block_counts": given.block_counts}
+        if chosen == "triton" and _batch_major(given, shard, cached, pool_fns):
+            return batching.folding_vmap(call)(floats, indices)
+        return call(floats, indices)
 
     return run_on_platform(plan, platform, config, bool(shard), attention)
+
+
+def _batch_major(given: Inputs, shard: dict, cached: dict, pool_fns) -> bool:
+    """Whether a call's every array leads with the batch axis and nothing else is traced, so that
+    jax.vmap may fold its mapped axis into the batch (batching.folding_vmap): not packed sequences
+    (one batch row), a traced scale (its gradient is one sum over the folded rows), a shard of the
+    queries or a compressed cache, nor learned pooling (its functions close over parameters)."""
+    traced_scale = not isinstance(given.softmax_scale, float)
+    return given.cu_seqlens is None and not traced_scale and not shard and not cached and not pool_fns

@@ -240,7 +240,8 @@ def launch(
             )
 
         # jax-triton's call has no batching rule: under jax.vmap a launch runs once per element of
-        # the mapped axis, as the interpreter's pure_callback does (vmap_method="sequential").
+        # the mapped axis, as the interpreter's pure_callback does (vmap_method="sequential"), where
+        # the call around it could not fold that axis into its batch (dispatch._batch_major).
         return varying_like(jax.custom_batching.sequential_vmap(call)(*arrays), inputs)
     callback = functools.partial(_interpret, kernel, grid, tuple(inputs), tuple(outputs), tuple(zeroed),
                                  tuple(aliases.items()), constants)
