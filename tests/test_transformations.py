@@ -215,5 +215,9 @@ def test_a_symbolic_length_is_a_clear_error():
     kv = jax.ShapeDtypeStruct((1, length, 1, 8), jnp.float32)
     with pytest.raises(ValueError, match=r"query must have concrete sizes, got shape \(1, t, 2, 8\)"):
         export.export(jax.jit(attention))(q, kv, kv)
+    # A valid selection otherwise, so that the sizes are what is wrong whichever is checked first.
+    selection = jax.ShapeDtypeStruct((1, length, 1, 1), jnp.int32)
     with pytest.raises(ValueError, match="query must have concrete sizes"):
-        export.export(jax.jit(lambda q, k, v: nsa_dsl.native_sparse_attention(q, k, v, None, None, None, 1)))(q, kv, kv)
+        export.export(jax.jit(lambda q, k, v, i: nsa_dsl.native_sparse_attention(q, k, v, None, None, i, 1)))(
+            q, kv, kv, selection
+        )
