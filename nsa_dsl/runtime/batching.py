@@ -10,8 +10,8 @@ jax.custom_batching.custom_vmap has no reverse mode, so the folding rule sits un
 whose forward and backward rules are custom_vmap functions themselves (JAX's documented way).
 Unmapped, they are the call's own forward and pullback (jax.vjp), residuals and all. Mapped, the
 forward's residuals would be the folded call's, [V * B, ...] where JAX traced the backward with
-one element's shapes: so the mapped forward hands over placeholders of the element's shapes,
-which nothing reads, and the mapped backward runs the folded call's forward and backward anew.
+one element's shapes: so the mapped forward hands over zeros of the element's shapes, which
+nothing reads, and the mapped backward runs the folded call's forward and backward anew.
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ def folding_vmap(call: Callable[[Any, Any], jax.Array]) -> Callable[[Any, Any], 
     output's batch row b depends on the inputs' rows b alone. Returns a function of the same value
     and first derivatives (in `floats`) whose jax.vmap over any axis of any leaves calls `call`
     once, on that axis folded into B ([V, B, ...] -> [V * B, ...]; leaves not mapped are repeated
-    V times). Its vmap of a gradient (or gradient of a vmap) runs the folded forward twice: once
-    for the output, once in the backward."""
+    V times). Its vmap of a gradient (or gradient of a vmap) asks for the folded forward twice, for
+    the output and in the backward: the same calls on the same operands, which XLA computes once
+    under one jit (on an H100 such a vmap of a gradient took what the batched call's gradient did)."""
     pullbacks = {}  # element types -> (the structure of call's pullback, its leaves' types)
 
     @custom_vmap
@@ -59,8 +60,8 @@ def folding_vmap(call: Callable[[Any, Any], jax.Array]) -> Callable[[Any, Any], 
         # custom_vmap traced the element's forward before calling this rule, which recorded its
         # residuals' types.
         _, residual_types = pullbacks[_types((floats, indices), batched)]
-        placeholders = [jnp.zeros(t.shape, t.dtype) for t in residual_types]
-        return (out, placeholders), (True, [False] * len(placeholders))
+        unread = [jnp.zeros(t.shape, t.dtype) for t in residual_types]
+        return (out, unread), (True, [False] * len(unread))
 
     @custom_vmap
     def backward(floats, indices, residuals, d_out):
