@@ -368,12 +368,13 @@ def attend(
     def attention(chosen: str):
         fitted = kernel_plan(chosen, plan, given.shapes.seq_len)
         module_attention = entry(chosen, fitted, config, "attention", pool_fns, pools=not cached)
+        tables = kernel_tables(chosen, fitted, config, given.shapes.seq_len)
 
         def call(floats, indices):
             return module_attention(
                 *floats["qkv"],
                 gates=floats["gates"],
-                tables=kernel_tables(chosen, fitted, config, given.shapes.seq_len),
+                tables=tables,
                 cu_seqlens=given.cu_seqlens,
                 softmax_scale=given.softmax_scale,
                 **indices,
