@@ -203,6 +203,30 @@ def test_vmap_on_triton_launches_each_kernel_as_often_for_any_mapped_size(rng, m
             assert launch_counts[name, 2] == launch_counts[name, 3] > 0, launch_counts
 
 
+def test_vmap_on_triton_of_no_elements_of_cotangents_alone_and_twice_differentiated(rng):
+    """The folded call's edges: an empty mapped axis gives empty results (no kernel on zero rows);
+    jax.jacrev (the cotangents mapped, the inputs not) gives the rows of the gradients one by one;
+    jax.hessian through a vmap raises SecondDerivativeError, as without it."""
+    attention = nsa_dsl.compile(WINDOW)
+    q, k, v = (jnp.asarray(x) for x in qkv(rng, 1, 22, 4, 2, 8))
+    weights = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+
+    def output(q):
+        return attention(q, k, v, platform="triton")
+
+    empty = jnp.zeros((0, *q.shape), q.dtype)
+    assert jax.vmap(output)(empty).shape == (0, *q.shape)
+    assert jax.grad(lambda q: jax.vmap(output)(q).sum())(empty).shape == (0, *q.shape)
+
+    def per_head(q):
+        return (output(q) * weights).sum(axis=(0, 1, 3))
+
+    rows = np.stack([jax.grad(lambda q, h=h: per_head(q)[h])(q) for h in range(q.shape[2])])
+    assert_close(jax.jacrev(per_head)(q), rows, 1e-6, "jacrev")
+    with pytest.raises(nsa_dsl.SecondDerivativeError):
+        jax.hessian(lambda r: jax.vmap(lambda q: (output(q.at[0, 5, 0].set(r)) ** 2).sum())(q[None]).sum())(q[0, 5, 0])
+
+
 def test_a_symbolic_length_is_a_clear_error():
     """jax.export with a symbolic sequence length: the block tables are built for one length, so it
     cannot be exported; it was a TypeError deep in the tables ("'_DimExpr' object cannot be

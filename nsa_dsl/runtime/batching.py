@@ -23,8 +23,10 @@ import jax
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
+from . import derivatives
 
-def folding_vmap(call: Callable[[Any, Any], jax.Array]) -> Callable[[Any, Any], jax.Array]:
+
+def folding_vmap(call: Callable[[Any, Any], jax.Array], platform: str) -> Callable[[Any, Any], jax.Array]:
     """`call(floats, indices)` -> [B, ...], where every leaf of the pytrees `floats` (the
     differentiable arrays) and `indices` (integer arrays) leads with the batch axis B and the
     output's batch row b depends on the inputs' rows b alone. Returns a function of the same value
@@ -32,8 +34,16 @@ def folding_vmap(call: Callable[[Any, Any], jax.Array]) -> Callable[[Any, Any], 
     once, on that axis folded into B ([V, B, ...] -> [V * B, ...]; leaves not mapped are repeated
     V times). Its vmap of a gradient (or gradient of a vmap) asks for the folded forward twice, for
     the output and in the backward: the same calls on the same operands, which XLA computes once
-    under one jit (on an H100 such a vmap of a gradient took what the batched call's gradient did)."""
+    under one jit (on an H100 such a vmap of a gradient took what the batched call's gradient did).
+    Second derivatives raise SecondDerivativeError, as `platform`'s kernels do."""
     pullbacks = {}  # element types -> (the structure of call's pullback, its leaves' types)
+
+    def folded_call(size, batched, floats, indices):
+        """[size, B, ...]: the call of each element, as one call of the folded arrays."""
+        if size == 0:  # no element, no rows: kernels are not launched on an empty batch
+            element = jax.eval_shape(call, *_element_types(batched, (floats, indices)))
+            return jnp.zeros((0, *element.shape), element.dtype)
+        return _unfolded(size, attention(*_folded(size, batched, (floats, indices))))
 
     @custom_vmap
     def forward(floats, indices):
@@ -41,7 +51,7 @@ def folding_vmap(call: Callable[[Any, Any], jax.Array]) -> Callable[[Any, Any], 
 
     @forward.def_vmap
     def _forward_folded(size, batched, floats, indices):
-        return _unfolded(size, attention(*_folded(size, (batched[0], batched[1]), (floats, indices)))), True
+        return folded_call(size, tuple(batched), floats, indices), True
 
     @jax.custom_vjp
     def attention(floats, indices):
@@ -56,27 +66,37 @@ def folding_vmap(call: Callable[[Any, Any], jax.Array]) -> Callable[[Any, Any], 
 
     @forward_with_residuals.def_vmap
     def _forward_with_residuals_folded(size, batched, floats, indices):
-        out = _unfolded(size, attention(*_folded(size, (batched[0], batched[1]), (floats, indices))))
+        out = folded_call(size, tuple(batched), floats, indices)
         # custom_vmap traced the element's forward before calling this rule, which recorded its
         # residuals' types.
         _, residual_types = pullbacks[_types((floats, indices), batched)]
         unread = [jnp.zeros(t.shape, t.dtype) for t in residual_types]
         return (out, unread), (True, [False] * len(unread))
 
-    @custom_vmap
-    def backward(floats, indices, residuals, d_out):
+    def pull(floats, indices, residuals, d_out):
         structure, _ = pullbacks[_types((floats, indices))]
         (d_floats,) = jax.tree.unflatten(structure, residuals)(d_out)
         return d_floats
 
+    backward = custom_vmap(pull)
+
     @backward.def_vmap
     def _backward_folded(size, batched, floats, indices, residuals, d_out):
-        folded_floats, folded_indices = _folded(size, (batched[0], batched[1]), (floats, indices))
-        _, pullback = jax.vjp(lambda f: attention(f, folded_indices), folded_floats)
-        (d_floats,) = pullback(_folded(size, batched[3], d_out))
+        inputs_batched = (batched[0], batched[1])
         # Per element even where an input was not mapped: JAX sums those for a gradient of the
         # vmap, and keeps them apart for a vmap of the gradient.
-        return _unfolded(size, d_floats), jax.tree.map(lambda _: True, d_floats)
+        every_element = jax.tree.map(lambda _: True, floats)
+        if size == 0:
+            empty = jax.tree.map(lambda t: jnp.zeros((0, *t.shape), t.dtype), _element_types(batched[0], floats))
+            return empty, every_element
+        if not any(jax.tree.leaves(inputs_batched)):
+            # Cotangents mapped alone (jax.jacrev, a vmap of one call's pullback): the saved
+            # pullback once per cotangent, rather than size copies of the inputs folded.
+            return jax.vmap(pull, in_axes=(None, None, None, 0))(floats, indices, residuals, d_out), every_element
+        folded_floats, folded_indices = _folded(size, inputs_batched, (floats, indices))
+        _, pullback = jax.vjp(lambda f: attention(f, folded_indices), folded_floats)
+        (d_floats,) = pullback(_folded(size, batched[3], d_out))
+        return _unfolded(size, d_floats), every_element
 
     def attention_forward(floats, indices):
         out, residuals = forward_with_residuals(floats, indices)
@@ -86,16 +106,23 @@ def folding_vmap(call: Callable[[Any, Any], jax.Array]) -> Callable[[Any, Any], 
         floats, indices, residuals = saved
         return backward(floats, indices, residuals, d_out), None
 
-    attention.defvjp(attention_forward, attention_backward)
+    # The rules' own derivatives (jax.hessian, grad of grad) are refused as the kernels' are: the
+    # folded rules call `attention` again, where JAX would refuse forward mode with a TypeError.
+    attention.defvjp(*derivatives.first_order(platform, attention_forward, attention_backward))
     return attention
 
 
-def _types(tree, batched=None) -> tuple:
-    """The (shape, dtype) of each leaf of `tree` as one element of a vmap sees it: without the
+def _element_types(batched, tree):
+    """A jax.ShapeDtypeStruct of each leaf of `tree` as one element of a vmap sees it: without the
     leading axis of the leaves `batched` marks."""
-    leaves = jax.tree.leaves(tree)
-    marks = jax.tree.leaves(batched) if batched is not None else [False] * len(leaves)
-    return tuple((x.shape[1:] if mapped else x.shape, jnp.dtype(x.dtype)) for x, mapped in zip(leaves, marks))
+    return jax.tree.map(lambda x, mapped: jax.ShapeDtypeStruct(x.shape[1:] if mapped else x.shape, x.dtype), tree, batched)
+
+
+def _types(tree, batched=None) -> tuple:
+    """The (shape, dtype) of each leaf of `tree` as one element of a vmap sees it (_element_types):
+    a key of `pullbacks`."""
+    marks = batched if batched is not None else jax.tree.map(lambda _: False, tree)
+    return tuple((t.shape, jnp.dtype(t.dtype)) for t in jax.tree.leaves(_element_types(tuple(marks), tree)))
 
 
 def _folded(size: int, batched, tree):

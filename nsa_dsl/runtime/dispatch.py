@@ -385,7 +385,7 @@ def attend(
         floats = {"qkv": (given.query, given.key, given.value), "gates": given.gates}
         indices = {"block_indices": given.block_indices, "block_counts": given.block_counts}
         if chosen == "triton" and _batch_major(given, shard, cached, pool_fns):
-            return batching.folding_vmap(call)(floats, indices)
+            return batching.folding_vmap(call, chosen)(floats, indices)
         return call(floats, indices)
 
     return run_on_platform(plan, platform, config, bool(shard), attention)
