@@ -205,8 +205,8 @@ def test_vmap_on_triton_launches_each_kernel_as_often_for_any_mapped_size(rng, m
 
 def test_vmap_on_triton_of_no_elements_of_cotangents_alone_and_twice_differentiated(rng):
     """The folded call's edges: an empty mapped axis gives empty results (no kernel on zero rows);
-    jax.jacrev (the cotangents mapped, the inputs not) gives the rows of the gradients one by one;
-    jax.hessian through a vmap raises SecondDerivativeError, as without it."""
+    jax.jacrev (the cotangents mapped, the inputs not), alone or under a vmap, gives the rows of the
+    gradients one by one; jax.hessian through a vmap raises SecondDerivativeError, as without it."""
     attention = nsa_dsl.compile(WINDOW)
     q, k, v = (jnp.asarray(x) for x in qkv(rng, 1, 22, 4, 2, 8))
     weights = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
@@ -223,6 +223,9 @@ def test_vmap_on_triton_of_no_elements_of_cotangents_alone_and_twice_differentia
 
     rows = np.stack([jax.grad(lambda q, h=h: per_head(q)[h])(q) for h in range(q.shape[2])])
     assert_close(jax.jacrev(per_head)(q), rows, 1e-6, "jacrev")
+    # Under a vmap the forward folds, and jacrev's own vmap then maps the cotangents alone.
+    assert_close(jax.vmap(jax.jacrev(per_head))(jnp.stack([q, -q])), np.stack([rows, jax.jacrev(per_head)(-q)]), 1e-6,
+                 "vmap of jacrev")
     with pytest.raises(nsa_dsl.SecondDerivativeError):
         jax.hessian(lambda r: jax.vmap(lambda q: (output(q.at[0, 5, 0].set(r)) ** 2).sum())(q[None]).sum())(q[0, 5, 0])
 

@@ -73,15 +73,16 @@ def folding_vmap(call: Callable[[Any, Any], jax.Array], platform: str) -> Callab
         unread = [jnp.zeros(t.shape, t.dtype) for t in residual_types]
         return (out, unread), (True, [False] * len(unread))
 
-    def pull(floats, indices, residuals, d_out):
+    @custom_vmap
+    def backward(floats, indices, residuals, d_out):
         structure, _ = pullbacks[_types((floats, indices))]
         (d_floats,) = jax.tree.unflatten(structure, residuals)(d_out)
         return d_floats
 
-    backward = custom_vmap(pull)
-
     @backward.def_vmap
     def _backward_folded(size, batched, floats, indices, residuals, d_out):
+        # The residuals are not read: even with the inputs not mapped here (jax.jacrev maps the
+        # cotangents alone) they may be the zeros of a forward folded by an outer vmap.
         inputs_batched = (batched[0], batched[1])
         # Per element even where an input was not mapped: JAX sums those for a gradient of the
         # vmap, and keeps them apart for a vmap of the gradient.
@@ -89,10 +90,6 @@ def folding_vmap(call: Callable[[Any, Any], jax.Array], platform: str) -> Callab
         if size == 0:
             empty = jax.tree.map(lambda t: jnp.zeros((0, *t.shape), t.dtype), _element_types(batched[0], floats))
             return empty, every_element
-        if not any(jax.tree.leaves(inputs_batched)):
-            # Cotangents mapped alone (jax.jacrev, a vmap of one call's pullback): the saved
-            # pullback once per cotangent, rather than size copies of the inputs folded.
-            return jax.vmap(pull, in_axes=(None, None, None, 0))(floats, indices, residuals, d_out), every_element
         folded_floats, folded_indices = _folded(size, inputs_batched, (floats, indices))
         _, pullback = jax.vjp(lambda f: attention(f, folded_indices), folded_floats)
         (d_floats,) = pullback(_folded(size, batched[3], d_out))
