@@ -112,7 +112,10 @@ def folding_vmap(call: Callable[[Any, Any], jax.Array], platform: str) -> Callab
 def _element_types(batched, tree):
     """A jax.ShapeDtypeStruct of each leaf of `tree` as one element of a vmap sees it: without the
     leading axis of the leaves `batched` marks."""
-    return jax.tree.map(lambda x, mapped: jax.ShapeDtypeStruct(x.shape[1:] if mapped else x.shape, x.dtype), tree, batched)
+    def element(x, mapped):
+        return jax.ShapeDtypeStruct(x.shape[1:] if mapped else x.shape, x.dtype)
+
+    return jax.tree.map(element, tree, batched)
 
 
 def _types(tree, batched=None) -> tuple:

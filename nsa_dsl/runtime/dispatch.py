@@ -394,7 +394,8 @@ def attend(
 def _batch_major(given: Inputs, shard: dict, cached: dict, pool_fns) -> bool:
     """Whether a call's every array leads with the batch axis and nothing else is traced, so that
     jax.vmap may fold its mapped axis into the batch (batching.folding_vmap): not packed sequences
-    (one batch row), a traced scale (its gradient is one sum over the folded rows), a shard of the
-    queries or a compressed cache, nor learned pooling (its functions close over parameters)."""
-    traced_scale = not isinstance(given.softmax_scale, float)
-    return given.cu_seqlens is None and not traced_scale and not shard and not cached and not pool_fns
+    (one batch row), a scale given as an array (its gradient would be one sum over the folded rows),
+    a shard of the queries or a compressed cache, nor learned pooling (its functions close over
+    parameters)."""
+    array_scale = not isinstance(given.softmax_scale, float)
+    return given.cu_seqlens is None and not array_scale and not shard and not cached and not pool_fns
