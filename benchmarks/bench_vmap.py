@@ -78,9 +78,9 @@ def main() -> None:
                 return attention(q, k, v, platform="triton", **gates)
 
             def batched(q, k, v, gates):  # [V, 1, ...] as one batch of V rows
-                rows = element(*(x.reshape(-1, *x.shape[2:]) for x in (q, k, v)),
-                               {n: g.reshape(-1, *g.shape[2:]) for n, g in gates.items()})
-                return rows.reshape(q.shape)
+                out = element(*(x.reshape(-1, *x.shape[2:]) for x in (q, k, v)),
+                              {n: g.reshape(-1, *g.shape[2:]) for n, g in gates.items()})
+                return out.reshape(q.shape)
 
             forward = {"vmap": jax.vmap(element), "lax.map": lambda *a: jax.lax.map(lambda e: element(*e), a),
                        "batched": batched}
