@@ -1,7 +1,7 @@
 """A/B timings of the Triton selection kernels on one GPU, each set in one process.
 
     PYTHONPATH=. python benchmarks/ab_selection_paths.py [--length 65536] [--rounds 2] [--cases gated,block,order]
-        [--variants "NAME=VALUE,...;..."]
+        [--variants "NAME=VALUE,...;..."] [--hq 64] [--hkv 4] [--head-dim 128]
 
 gated: the same jitted call undifferentiated (the last selection kernel writes the pattern's gated
 sum: gated_selection_forward) against the forward of jax.vjp (the plain selection kernel, its
@@ -16,7 +16,7 @@ order: per-token selections (bench_gpu.py's random ones) through native_sparse_a
 constants of the generated module (integers, or LAUNCH.<kernel>=WARPSxSTAGES), e.g.
 BLOCK_OUTER_PAIRS=0 (the forward key block by key block) against BLOCK_OUTER_PAIRS=1099511627776
 (token by token); differences against the first variant.
-B=1, HQ=64, HKV=4, D=128, bfloat16, 16 blocks of 64 (the issue 4 setting); median ms
+B=1, bfloat16, 16 blocks of 64, HQ=64, HKV=4, D=128 unless given (the issue 4 setting); median ms
 (timing.py) and the largest output difference of each pair. Results: benchmarks/results/ab_*.
 """
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import NamedTuple
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -42,10 +43,19 @@ import nsa_dsl  # noqa: E402
 from nsa_dsl.codegen import cache  # noqa: E402
 from nsa_dsl.runtime import layout  # noqa: E402
 
-HQ, HKV, D, S, BLOCK = 64, 4, 128, 16, 64
+S, BLOCK = 16, 64
 
 
-def gated(length: int, rounds: int) -> None:
+class Heads(NamedTuple):
+    """Query heads, KV heads and head dim of the timed arrays."""
+
+    q: int
+    kv: int
+    dim: int
+
+
+def gated(length: int, rounds: int, heads: Heads) -> None:
+    HQ, HKV, D = heads
     keys = jax.random.split(jax.random.key(0), 6)
     q = jax.random.normal(keys[0], (1, length, HQ, D), jnp.bfloat16)
     k = jax.random.normal(keys[1], (1, length, HKV, D), jnp.bfloat16)
@@ -76,7 +86,8 @@ def gated(length: int, rounds: int) -> None:
                   f"max|d| {float(diff):.2e}", flush=True)
 
 
-def block(length: int, query_blocks: list[int]) -> None:
+def block(length: int, query_blocks: list[int], heads: Heads) -> None:
+    HQ, HKV, D = heads
     plan = nsa_dsl.compile(
         f"pattern p\nblock {BLOCK}\ncausal\nbranch cmp = compress(block={BLOCK}, stride={BLOCK}) gate g_cmp\n"
         f"branch slc = topk({S}, block={BLOCK}, score=cmp, force=local(1)) per block({BLOCK}) gate g_slc\n").plan
@@ -112,7 +123,8 @@ def block(length: int, query_blocks: list[int]) -> None:
               f"max|d| vs Q={query_blocks[0]}: out {diff[0]:.2e} dq {diff[1]:.2e} dk {diff[2]:.2e} dv {diff[3]:.2e}", flush=True)
 
 
-def order(length: int, variants: list[str]) -> None:
+def order(length: int, variants: list[str], heads: Heads) -> None:
+    HQ, HKV, D = heads
     keys = jax.random.split(jax.random.key(0), 4)
     q = jax.random.normal(keys[0], (1, length, HQ, D), jnp.bfloat16)
     k = jax.random.normal(keys[1], (1, length, HKV, D), jnp.bfloat16)
@@ -157,15 +169,19 @@ def main() -> None:
     parser.add_argument("--query-blocks", default="1,16,64", help="Q of the block case's selections (1: per token)")
     parser.add_argument("--variants", default="BLOCK_OUTER_PAIRS=1099511627776;BLOCK_OUTER_PAIRS=0",
                         help="the order case's module constants, variants separated by ';'")
+    parser.add_argument("--hq", type=int, default=64, help="query heads")
+    parser.add_argument("--hkv", type=int, default=4, help="KV heads")
+    parser.add_argument("--head-dim", type=int, default=128)
     args = parser.parse_args()
-    print(f"ab_selection_paths: T={args.length} B=1 HQ={HQ} HKV={HKV} D={D} bfloat16, {S} blocks of {BLOCK}, "
+    heads = Heads(args.hq, args.hkv, args.head_dim)
+    print(f"ab_selection_paths: T={args.length} B=1 HQ={heads.q} HKV={heads.kv} D={heads.dim} bfloat16, {S} blocks of {BLOCK}, "
           f"device {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
     if "gated" in args.cases:
-        gated(args.length, args.rounds)
+        gated(args.length, args.rounds, heads)
     if "block" in args.cases:
-        block(args.length, [int(x) for x in args.query_blocks.split(",")])
+        block(args.length, [int(x) for x in args.query_blocks.split(",")], heads)
     if "order" in args.cases:
-        order(args.length, args.variants.split(";"))
+        order(args.length, args.variants.split(";"), heads)
 
 
 if __name__ == "__main__":

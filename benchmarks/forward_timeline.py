@@ -13,6 +13,8 @@ so the sum is close to, not equal to, the forward's time back to back). Where th
 --metrics; `--print-units base` or not), each kernel's HBM bytes and L2 hit rate are listed too.
 `--constants "SEGMENT_ROWS=2048,LAUNCH.<kernel>=4x1"` profiles the forward with those constants of
 the generated modules (module_constants.py), e.g. to compare a setting's kernels beside main's.
+`--backward` profiles the forward and the backward (jax.vjp's pullback of a random cotangent) instead;
+`--hq`, `--hkv` and `--head-dim` change bench_gpu's heads and head dim.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import csv
 import ctypes
+import dataclasses
 import os
 import sys
 
@@ -28,9 +31,11 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 
-def forward_and_inputs(length: int, case: str = "nsa"):
-    """(jitted forward, its arguments) at bench_gpu's setting: the full NSA pattern (NSA_PATTERN with
-    its gates) for case "nsa", else native_sparse_attention with bench_gpu's random selections."""
+def forward_and_inputs(length: int, case: str = "nsa", backward: bool = False, **settings):
+    """(jitted forward, its arguments) at bench_gpu's setting (`settings` replace its fields): the
+    full NSA pattern (NSA_PATTERN with its gates) for case "nsa", else native_sparse_attention with
+    bench_gpu's random selections. With `backward`, the jitted function runs the forward and its
+    pullback of a random cotangent, and returns the input gradients."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -38,34 +43,45 @@ def forward_and_inputs(length: int, case: str = "nsa"):
 
     import nsa_dsl
 
-    s = Settings()
+    s = dataclasses.replace(Settings(), **settings)
     keys = jax.random.split(jax.random.key(0), 4)
     q = jax.random.normal(keys[0], (1, length, s.q_heads, s.head_dim), jnp.bfloat16)
     k, v = (jax.random.normal(key, (1, length, s.kv_heads, s.head_dim), jnp.bfloat16) for key in keys[1:3])
     if case == "nsa":
         attention = nsa_dsl.compile(NSA_PATTERN.format(block=s.block, selected=s.selected, window=s.window))
         gates = jax.nn.sigmoid(jax.random.normal(keys[3], (3, 1, length, s.q_heads), jnp.float32)).astype(jnp.bfloat16)
-        forward = jax.jit(lambda q, k, v, g: attention(q, k, v, g_cmp=g[0], g_slc=g[1], g_swa=g[2], platform="triton"))
-        return forward, (q, k, v, gates)
-    indices = jnp.asarray(random_selections(np.random.default_rng([0, length]), s, length))
-    cfg = nsa_dsl.NativeSparseAttentionConfig(block_size=s.block)
-    forward = jax.jit(lambda q, k, v, i: nsa_dsl.native_sparse_attention(
-        q, k, v, None, None, i, s.selected, None, platform="triton", cfg=cfg))
-    return forward, (q, k, v, indices)
+        def forward(q, k, v, g):
+            return attention(q, k, v, g_cmp=g[0], g_slc=g[1], g_swa=g[2], platform="triton")
+        args = (q, k, v, gates)
+    else:
+        indices = jnp.asarray(random_selections(np.random.default_rng([0, length]), s, length))
+        cfg = nsa_dsl.NativeSparseAttentionConfig(block_size=s.block)
+
+        def forward(q, k, v, i):
+            return nsa_dsl.native_sparse_attention(q, k, v, None, None, i, s.selected, None, platform="triton", cfg=cfg)
+        args = (q, k, v, indices)
+    if not backward:
+        return jax.jit(forward), args
+    d_out = jax.random.normal(jax.random.key(1), q.shape, q.dtype)
+
+    def forward_and_backward(q, k, v, extra, d_out):
+        return jax.vjp(lambda q, k, v: forward(q, k, v, extra), q, k, v)[1](d_out)
+    return jax.jit(forward_and_backward), (*args, d_out)
 
 
-def profile(length: int, case: str, constants: str = "") -> None:
+def profile(length: int, case: str, constants: str = "", backward: bool = False, **settings) -> None:
     import jax
     from module_constants import module_constants, parse_variant
 
     with module_constants(parse_variant(constants)):
-        forward, args = forward_and_inputs(length, case)
+        forward, args = forward_and_inputs(length, case, backward, **settings)
         jax.block_until_ready(forward(*args))
         cuda = ctypes.CDLL("libcuda.so.1")
         cuda.cuProfilerStart()
         jax.block_until_ready(forward(*args))
         cuda.cuProfilerStop()
-    print(f"forward_timeline: {case} T={length}: profiled one forward", file=sys.stderr, flush=True)
+    what = "forward and backward" if backward else "forward"
+    print(f"forward_timeline: {case} T={length} {settings or ''}: profiled one {what}", file=sys.stderr, flush=True)
 
 
 # ncu's units, to ms, GB and percent.
@@ -98,11 +114,17 @@ def main() -> None:
     parser.add_argument("--case", choices=("nsa", "selection"), default="nsa")
     parser.add_argument("--summarise", metavar="CSV", help="print the kernel times of an ncu csv instead")
     parser.add_argument("--constants", default="", help="generated modules' constants, as module_constants.py reads them")
+    parser.add_argument("--backward", action="store_true", help="profile the forward and its backward")
+    parser.add_argument("--hq", type=int, help="query heads (bench_gpu's by default)")
+    parser.add_argument("--hkv", type=int, help="KV heads")
+    parser.add_argument("--head-dim", type=int)
     args = parser.parse_args()
     if args.summarise:
         summarise(args.summarise)
     else:
-        profile(args.length, args.case, args.constants)
+        settings = {name: value for name, value in
+                    (("q_heads", args.hq), ("kv_heads", args.hkv), ("head_dim", args.head_dim)) if value is not None}
+        profile(args.length, args.case, args.constants, args.backward, **settings)
 
 
 if __name__ == "__main__":

@@ -2,9 +2,10 @@
 (the same @triton.jit functions jax-triton launches on a GPU), against the float64 reference:
 forward and gradients of q, k, v and the gate, float32 and float16, odd lengths, head dims
 32/60/64/100/192, GQA groups 1/3/4/16/24, per-token counts, out-of-range and repeated entries,
-packed sequences (what it shares with Pallas is in test_interpreted_selection.py), and both
-orders of the backward (dq from stored score gradients, all KV heads at once or in slices of
-heads, and dq recomputing them where they would not fit in memory). The interpreter runs one program at a time in Python, so shapes are
+packed sequences (what it shares with Pallas is in test_interpreted_selection.py), and every
+order of the backward (dq from stored score gradients, or for small groups summed from stored dq
+parts, all KV heads at once or in slices of heads, and dq recomputing the score gradients where
+they would not fit in memory). The interpreter runs one program at a time in Python, so shapes are
 small."""
 
 from __future__ import annotations
@@ -191,6 +192,44 @@ def test_score_gradients_in_head_slices(rng, scores_in_head_slices, dtype, seq_l
     assert every_head // 2 in scores_in_head_slices, "the backward did not try slices of half the KV heads"
 
 
+def backward_launches(monkeypatch, rng, heads_q, heads_kv, dtype, block, cu_seqlens=None):
+    """The kernels a gradient of a per-token selection launches, having checked it against the
+    reference (counts from 0: tokens without any block)."""
+    seq_len, width = 53, 4
+    q, k, v = qkv(rng, 1, seq_len, heads_q, heads_kv, 40, dtype=dtype)
+    indices = random_indices(rng, 1, seq_len, heads_kv, width, block, cu_seqlens)
+    counts = rng.integers(0, width + 1, (1, seq_len, heads_kv)).astype(np.int32)
+    g_slc = gate(rng, 1, seq_len, heads_q).astype(dtype)
+    return {name for name, _ in triton_launches(monkeypatch, lambda: check_forward_and_gradients(
+        rng, q, k, v, g_slc, indices, counts, block, cu_seqlens))}
+
+
+@pytest.mark.parametrize("dtype, heads_q, heads_kv, block, cu_seqlens", [
+    (np.float32, 2, 2, 16, None),  # group 1
+    (np.float16, 3, 3, 32, None),  # group 1, 3 KV heads
+    (np.float32, 4, 2, 32, np.array([0, 20, 21, 47], np.int32)),  # group 2, rows past the last sequence
+])
+def test_small_groups_sum_dq_from_parts_the_key_gradients_store(rng, monkeypatch, dtype, heads_q, heads_kv, block,
+                                                                cu_seqlens):
+    """Groups whose rows weigh less than a block's keys: dk/dv store each pair's ds @ k, which XLA
+    sums per token (entries naming no block left out: the interpreter's unwritten outputs are NaN),
+    and no dq kernel runs."""
+    launches = backward_launches(monkeypatch, rng, heads_q, heads_kv, dtype, block, cu_seqlens)
+    assert "selection_backward_dkdv" in launches and not launches & {
+        "selection_backward_dq_from_scores", "selection_backward_dq"}, launches
+
+
+def test_larger_groups_read_stored_score_gradients_with_the_keys(rng, monkeypatch):
+    launches = backward_launches(monkeypatch, rng, 8, 2, np.float32, 16)
+    assert "selection_backward_dq_from_scores" in launches, launches
+
+
+def test_dq_parts_in_head_slices(rng, monkeypatch, scores_in_head_slices):
+    launches = backward_launches(monkeypatch, rng, 3, 3, np.float32, 16)
+    assert "selection_backward_dq_from_scores" not in launches, launches
+    assert scores_in_head_slices[0] // 3 in scores_in_head_slices, "the backward did not try slices of one KV head"
+
+
 def test_the_score_gradients_memory_share(monkeypatch):
     """Stored where they fit in the share of the device's memory; the environment sets the share."""
     monkeypatch.setattr(triton_glue, "_device_memory_bytes", lambda: 1000)
@@ -235,7 +274,9 @@ def test_one_program_loads_a_kv_groups_query_heads(rng, monkeypatch, heads_q, he
         return jnp.sum(selection(q, k, v, None, indices, 3, block) * q)
 
     launches = dict(triton_launches(monkeypatch, lambda: jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)))
-    for name in ("selection_forward", "selection_backward_dq_from_scores"):
+    # A group of one sums dq from the parts dk/dv store (test_small_groups_sum_dq_from_parts...).
+    token_kernels = ("selection_forward", "selection_backward_dq_from_scores")[:1 if heads_q == heads_kv else 2]
+    for name in token_kernels:
         assert launches[name][:2] == (seq_len, heads_kv), (name, launches)
     assert launches["selection_backward_dkdv"] == (-(-seq_len // block), heads_kv), launches
 
