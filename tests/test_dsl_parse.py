@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import nsa_dsl
 from nsa_dsl.dsl import ast, load, load_pattern, model, parse
 from nsa_dsl.errors import NsaSemanticError
 
@@ -331,7 +332,10 @@ def test_several_patterns():
     assert load(TWO, overrides={"window": 64})[0].branches[0].keys == W(64, 0)
     with pytest.raises(NsaSemanticError, match="holds 2 patterns") as info:
         load_pattern(TWO)
-    assert info.value.hint == "pass name= one of: first, second"
+    assert info.value.hint.startswith("pick one of: first, second (nsa_dsl.compile(..., pattern=NAME)")
+    with pytest.raises(NsaSemanticError, match="holds 2 patterns") as info:
+        nsa_dsl.compile(TWO)
+    assert "pattern=NAME" in info.value.hint
 
 
 def test_load_from_path(tmp_path):

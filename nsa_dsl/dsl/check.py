@@ -103,7 +103,8 @@ def check_pattern(
             raise NsaSemanticError(
                 f"{module.file} holds {len(names)} patterns; say which one",
                 file=module.file,
-                hint="pass name= one of: " + ", ".join(names),
+                hint="pick one of: " + ", ".join(names)
+                + " (nsa_dsl.compile(..., pattern=NAME), nsa-compile --pattern NAME, dsl.load_pattern(..., name=NAME))",
             )
         name = names[0]
     if name not in names:

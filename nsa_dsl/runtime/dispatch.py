@@ -218,12 +218,14 @@ def needs_scoring_query(plan: p.Plan, cu_seqlens) -> bool:
 
 def _query_shard(plan: p.Plan, query, query_offset, scoring_query, shapes: validate.Shapes, cu) -> dict:
     """The kernel's query_offset and scoring_query arguments: none unless the queries are fewer
-    than the keys; scoring_query only where the top-k needs it."""
+    than the keys; scoring_query (checked wherever given) only where the top-k needs it."""
     if query_offset is None:
         if scoring_query is not None:
             raise ValueError("scoring_query is for a shard of the queries: pass query_offset too")
         return {}
     offset = validate.query_offset(query_offset, shapes, plan.block_size if grouped_topk(plan) else None)
+    if scoring_query is not None:
+        scoring_query = validate.scoring_query(scoring_query, query, shapes)
     if shapes.query_len == shapes.seq_len:
         return {}  # the offset is 0
     if not needs_scoring_query(plan, cu):
@@ -234,7 +236,7 @@ def _query_shard(plan: p.Plan, query, query_offset, scoring_query, shapes: valid
             f"from each sequence's start, and with cu_seqlens such a block may straddle two shards: pass every "
             f"query of the sequence axis as scoring_query (ShardedAttention does)"
         )
-    return {"query_offset": offset, "scoring_query": validate.scoring_query(scoring_query, query, shapes)}
+    return {"query_offset": offset, "scoring_query": scoring_query}
 
 
 def kernel_plan(platform: str, plan: p.Plan, seq_len: int) -> p.Plan:
@@ -308,6 +310,13 @@ def inputs(
     declared = tuple(dict.fromkeys(gate.name for gate in plan.gates))
     given = validate.gates(gates or {}, declared, plan.name, shapes)
     cu = validate.cu_seqlens(cu_seqlens, shapes)
+    if cu is not None and plan.drawn_over_whole_sequences:
+        # The block tables are built before the packing is known (it may be traced): they could
+        # only draw among the whole batch row's blocks, not each sequence's.
+        raise ValueError(
+            f"cu_seqlens: branch {plan.drawn_over_whole_sequences!r} of the bidirectional pattern {plan.name!r} draws "
+            f"random() blocks among all of a sequence's key blocks, which packed sequences do not fix before the call; "
+            f"call it on each sequence alone, or make the pattern causal")
     scale = validate.softmax_scale(softmax_scale, shapes)
     explicit = [b for b in plan.branches if isinstance(b, p.SelectBranch)]
     if explicit:
