@@ -133,22 +133,6 @@ def test_a_bad_cu_seqlens_is_shown_as_given():
         nsa_dsl.native_sparse_attention(*(args.get(n) for n in order))
 
 
-@pytest.mark.parametrize("platform", ["xla", "triton", "pallas"])
-def test_packed_sequences_refuse_random_blocks_drawn_over_whole_sequences(rng, platform):
-    """A bidirectional random() draws among all of its sequence's blocks: the tables, built before
-    the packing is known, cannot draw per packed sequence. Causal draws pack."""
-    body = "block 16\nbranch mixed = window(8) | (random(2, seed=3) - local(1))\n"
-    q, k, v = qkv(rng, 1, 70, 2, 1, 16)
-    cu_seqlens = np.array([0, 30, 31, 70], np.int32)
-    bidirectional = nsa_dsl.compile("pattern drawn\nbidirectional\n" + body)
-    assert bidirectional.plan.drawn_over_whole_sequences == "mixed"
-    with pytest.raises(ValueError, match="cu_seqlens: branch 'mixed' of the bidirectional pattern 'drawn' draws random"):
-        bidirectional(q, k, v, cu_seqlens=cu_seqlens, platform=platform)
-    causal = nsa_dsl.compile("pattern drawn\ncausal\n" + body)
-    assert causal.plan.drawn_over_whole_sequences is None
-    check_static(rng, causal, q, k, v, cu_seqlens=cu_seqlens, platform=platform)
-
-
 def test_a_scoring_query_is_checked_where_no_top_k_reads_it(rng):
     attention = nsa_dsl.compile(EXAMPLES / "sliding_window.nsa")
     q, k, v = qkv(rng, 1, 40, 2, 1, 16)

@@ -145,11 +145,6 @@ def check(text: str, shape: dict, target: str, dtype: str = "float32") -> None:
         for b in attention.plan.branches
         if b.gate is not None and (b.gate.default is None or rng.random() < 0.5)
     }
-    if shape["cu_seqlens"] is not None and attention.plan.drawn_over_whole_sequences:
-        # A bidirectional random() draws among its sequence's blocks: not of packed sequences.
-        with pytest.raises(ValueError, match="cu_seqlens: branch .* draws random"):
-            attention(q, k, v, cu_seqlens=shape["cu_seqlens"], platform=platform, **gates)
-        return
     check_static(rng, attention, q, k, v, gates, shape["cu_seqlens"], platform=platform)
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Union as _U
 
-from ..dsl.model import BlockAtom, Difference, Gate, Intersection, KeySet, Random, Union
+from ..dsl.model import BlockAtom, Gate, KeySet
 
 
 # ---- token-level mask expressions, evaluated inside kernels on partial tiles -------------
@@ -127,15 +127,6 @@ class Plan:
     def gates(self) -> tuple[Gate, ...]:
         return tuple(b.gate for b in self.branches if b.gate is not None)
 
-    @property
-    def drawn_over_whole_sequences(self) -> str | None:
-        """The name of a branch whose random() blocks are drawn among all of a sequence's key
-        blocks (a bidirectional pattern), so that which it draws depends on the sequence's
-        length; None if no branch's does. A causal draw depends only on the query's block."""
-        if self.causal:
-            return None
-        return next((b.name for b in self.branches if isinstance(b, StaticBranch) and _draws(b.static.keys)), None)
-
     def branch(self, name: str) -> BranchPlan:
         for b in self.branches:
             if b.name == name:
@@ -154,15 +145,3 @@ class Plan:
         branches = tuple(replace(b, query_block=min(b.query_block, block)) if isinstance(b, TopKBranch) else b
                          for b in self.branches)
         return replace(self, block_size=block, branches=branches)
-
-
-def _draws(keys: KeySet) -> bool:
-    """Whether random() occurs in `keys`."""
-    match keys:
-        case Random():
-            return True
-        case Union(parts) | Intersection(parts):
-            return any(_draws(part) for part in parts)
-        case Difference(left, right):
-            return _draws(left) or _draws(right)
-    return False

@@ -310,13 +310,6 @@ def inputs(
     declared = tuple(dict.fromkeys(gate.name for gate in plan.gates))
     given = validate.gates(gates or {}, declared, plan.name, shapes)
     cu = validate.cu_seqlens(cu_seqlens, shapes)
-    if cu is not None and plan.drawn_over_whole_sequences:
-        # The block tables are built before the packing is known (it may be traced): they could
-        # only draw among the whole batch row's blocks, not each sequence's.
-        raise ValueError(
-            f"cu_seqlens: branch {plan.drawn_over_whole_sequences!r} of the bidirectional pattern {plan.name!r} draws "
-            f"random() blocks among all of a sequence's key blocks, which packed sequences do not fix before the call; "
-            f"call it on each sequence alone, or make the pattern causal")
     scale = validate.softmax_scale(softmax_scale, shapes)
     explicit = [b for b in plan.branches if isinstance(b, p.SelectBranch)]
     if explicit:
