@@ -20,6 +20,10 @@ per token, window 512, T = 8k/32k/64k. Cases, each at every length:
   coldstart  first call of the selection and the NSA pattern in a fresh process with an empty
              NSA_DSL_CACHE_DIR, then in a second process on the same cache directory; forward and
              forward+backward each in their own pair of processes
+--documents N packs N sequences of random lengths (seeded cuts) into each row, as training on
+packed documents does: cu_seqlens for every implementation, selections drawn within each token's
+own sequence (block ids count from its start). Only the selection and nsa cases, with no dense
+rows (no cuDNN call computes packed sequences); issue 4's targets are not judged on such a run.
 Each row: median ms (benchmarks/timing.py says how), the ratio row / nsa_dsl (above 1: ours
 faster), TFLOP/s and requested K/V bandwidth from counted work, and max |difference| of sampled
 outputs against ours where both compute the same thing. FLA and FlexAttention run in a PyTorch
@@ -78,6 +82,7 @@ ISSUE4_FIGURES = {
 ISSUE4_LENGTHS = (8192, 32768, 65536)
 
 CASES = ("coldstart", "selection", "nsa", "window", "causal")
+PACKED_CASES = ("selection", "nsa")  # the cases --documents runs
 IMPLS = ("ours-triton", "ours-pallas", "ours-xla", "fla", "ejkernel", "cudnn", "flex")
 MODES = ("fwd", "fwdbwd")
 MODE_TEXT = {"fwd": "fwd", "fwdbwd": "fwd+bwd"}
@@ -115,6 +120,7 @@ class Settings:
     xla_cases: tuple[str, ...] = ("selection",)
     seed: int = 0
     device: str = "gpu"
+    documents: int = 1  # sequences packed into each row (cu_seqlens) where above 1
 
     @property
     def scale(self) -> float:
@@ -155,7 +161,7 @@ class Report:
                          "fwdbwd_flop_factor": FWDBWD_FLOP_FACTOR},
             "issue4_figures": {"lengths": ISSUE4_LENGTHS, **ISSUE4_FIGURES},
             "environment": run_environment(),
-            "versions": {}, "work": [], "rows": [], "coldstart": [], "targets": [],
+            "versions": {}, "work": [], "rows": [], "coldstart": [], "targets": [], "packing": {},
         }
         with open(self.log_path, "w"):
             pass
@@ -227,11 +233,18 @@ def timing_options(args: argparse.Namespace) -> dict:
 # Inputs: drawn once per length on the device, the same values for every implementation
 
 
-def random_selections(rng: np.random.Generator, s: Settings, seq_len: int) -> np.ndarray:
-    """[B, T, HKV, S] block ids: for each token and KV head, S distinct causally valid blocks
-    (all of them where fewer exist) drawn uniformly by Floyd's algorithm, ascending, -1 after."""
-    shape = (s.batch, seq_len, s.kv_heads)
-    valid = np.broadcast_to((np.arange(seq_len) // s.block + 1)[None, :, None], shape).astype(np.int64)
+def document_starts(rng: np.random.Generator, documents: int, seq_len: int) -> np.ndarray:
+    """cu_seqlens [documents + 1] of one row cut at documents - 1 distinct random places."""
+    cuts = np.sort(rng.choice(np.arange(1, seq_len), documents - 1, replace=False))
+    return np.concatenate([[0], cuts, [seq_len]]).astype(np.int32)
+
+
+def random_selections(rng: np.random.Generator, s: Settings, positions: np.ndarray) -> np.ndarray:
+    """[B, T, HKV, S] block ids: for each token (at `positions` [T] in its sequence) and KV head, S
+    distinct causally valid blocks of its sequence (all of them where fewer exist) drawn uniformly by
+    Floyd's algorithm, ascending, -1 after."""
+    shape = (s.batch, len(positions), s.kv_heads)
+    valid = np.broadcast_to((positions // s.block + 1)[None, :, None], shape).astype(np.int64)
     picks = np.empty(shape + (s.selected,), np.int64)
     for step in range(s.selected):
         top = valid - s.selected + step  # Floyd: draw from [0, top]; take top itself on a repeat
@@ -264,7 +277,14 @@ class Inputs:
         self.do = jax.random.normal(keys[3], q_shape, dtype)
         self.gates = {name: jax.nn.sigmoid(jax.random.normal(key, gate_shape, jnp.float32)).astype(dtype)
                       for name, key in zip(("g_cmp", "g_slc", "g_swa"), keys[4:])}
-        self.selections = random_selections(np.random.default_rng([s.seed, seq_len]), s, seq_len)
+        if s.documents > 1:
+            self.cu_seqlens = document_starts(np.random.default_rng([s.seed, seq_len, s.documents]), s.documents, seq_len)
+            self.positions = np.arange(seq_len) - np.repeat(self.cu_seqlens[:-1], np.diff(self.cu_seqlens))
+        else:
+            self.cu_seqlens, self.positions = None, np.arange(seq_len)
+        # The extra argument of every row's forward where the row is packed.
+        self.packed = () if self.cu_seqlens is None else (jnp.asarray(self.cu_seqlens),)
+        self.selections = random_selections(np.random.default_rng([s.seed, seq_len]), s, self.positions)
         self.counts = (self.selections >= 0).sum(-1).astype(np.int32)
         self.block_indices = jnp.asarray(self.selections)
         self.block_counts = jnp.asarray(self.counts)
@@ -281,6 +301,8 @@ class Inputs:
             os.makedirs(self.export_dir, exist_ok=True)
             arrays = {"q": self.q, "k": self.k, "v": self.v, "do": self.do, **self.gates,
                       "block_indices": self.selections, "block_counts": self.counts}
+            if self.cu_seqlens is not None:
+                arrays["cu_seqlens"] = self.cu_seqlens
             meta = {}
             for name, value in arrays.items():
                 host = np.asarray(value)
@@ -304,9 +326,9 @@ class Inputs:
 # Counted work: FLOPs and bytes a case needs, against the H200's ceilings
 
 
-def selected_keys(selections: np.ndarray, block: int) -> int:
+def selected_keys(selections: np.ndarray, block: int, positions: np.ndarray) -> int:
     """Keys the selected blocks hold at or before their token (the causal part of its own block)."""
-    t = np.arange(selections.shape[1])[None, :, None, None]
+    t = positions[None, :, None, None]
     keys = np.clip(t - selections.astype(np.int64) * block + 1, 0, block)
     return int(np.where(selections >= 0, keys, 0).sum())
 
@@ -314,14 +336,14 @@ def selected_keys(selections: np.ndarray, block: int) -> int:
 def work(case: str, variant: str, inputs: Inputs) -> dict:
     """FLOPs (forward, matmuls only, 2 per multiply-add) and bytes of one call."""
     s, seq_len = inputs.settings, inputs.seq_len
-    t = np.arange(seq_len, dtype=np.int64)
+    t = inputs.positions.astype(np.int64)  # in the token's own sequence
     per_key = 4 * s.head_dim * s.q_heads * s.batch  # q.k and p.v for every query head
     io_bytes = 2 * s.batch * seq_len * (s.q_heads + s.kv_heads) * s.head_dim * s.itemsize  # q, o, k, v once
     entry = {"case": case, "variant": variant, "seq_len": seq_len, "compulsory_bytes": io_bytes}
     if case == "selection":
         entries = int((inputs.selections >= 0).sum())
         group = s.q_heads // s.kv_heads
-        entry["flops_fwd"] = 4 * s.head_dim * group * selected_keys(inputs.selections, s.block)
+        entry["flops_fwd"] = 4 * s.head_dim * group * selected_keys(inputs.selections, s.block, t)
         # Whole K and V blocks named by the indices, loaded once per (token, KV head): what a
         # per-token kernel asks the memory system for (L2 hits included), plus q and o.
         entry["requested_bytes"] = (entries * s.block * s.head_dim * 2 + 2 * s.batch * seq_len * s.q_heads * s.head_dim) * s.itemsize
@@ -337,7 +359,7 @@ def work(case: str, variant: str, inputs: Inputs) -> dict:
     elif case == "window":
         entry["flops_fwd"] = per_key * int(np.minimum(t + 1, s.window).sum())
     else:  # dense causal
-        entry["flops_fwd"] = per_key * seq_len * (seq_len + 1) // 2
+        entry["flops_fwd"] = per_key * int((t + 1).sum())
     entry["flops_fwdbwd"] = FWDBWD_FLOP_FACTOR * entry["flops_fwd"]
     entry["ms_at_matmul_peak_fwd"] = entry["flops_fwd"] / MATMUL_FLOPS_PER_S * 1e3
     entry["ms_at_hbm_peak_fwd"] = entry.get("requested_bytes", io_bytes) / HBM_BYTES_PER_S * 1e3
@@ -395,13 +417,16 @@ def row_specs(case: str, s: Settings, seq_len: int) -> list[RowSpec]:
     dense_causal = RowSpec("cudnn", "", dense_label, "jax", dense_build(s, None), comparable=case == "causal",
                            memo="dense causal", work_case="causal")
     specs = []
+    if s.documents > 1:  # no dense row computes packed sequences
+        dense_causal = None
     if case == "selection":
         specs += [RowSpec(f"ours-{p}", "", ours_label(p), "jax", ours_selection_build(s, p), baseline=True)
                   for p in platforms]
         specs.append(RowSpec("fla", "", "FLA parallel_nsa", "torch"))
         specs.append(RowSpec("ejkernel", "", f"ejkernel native_sparse_attention ({'triton' if on_gpu else 'xla'})",
                              "jax", ejkernel_build(s, with_compression=False)))
-        specs.append(dense_causal)
+        if dense_causal:
+            specs.append(dense_causal)
     elif case == "nsa":
         text = NSA_PATTERN.format(block=s.block, selected=s.selected, window=s.window)
         for p in platforms:
@@ -414,7 +439,8 @@ def row_specs(case: str, s: Settings, seq_len: int) -> list[RowSpec]:
         specs.append(RowSpec("fla", "native", "FLA parallel_nsa(g_cmp), no window", "torch", comparable=False))
         specs.append(RowSpec("ejkernel", "native", f"ejkernel nsa(g_cmp) ({'triton' if on_gpu else 'xla'})", "jax",
                              ejkernel_build(s, with_compression=True)))
-        specs.append(dense_causal)
+        if dense_causal:
+            specs.append(dense_causal)
     elif case == "window":
         text = WINDOW_PATTERN.format(block=s.block, window=s.window)
         specs += [RowSpec(f"ours-{p}", "", f"{ours_label(p)} window({s.window})", "jax",
@@ -427,8 +453,13 @@ def row_specs(case: str, s: Settings, seq_len: int) -> list[RowSpec]:
         text = CAUSAL_PATTERN.format(block=s.block)
         specs += [RowSpec(f"ours-{p}", "", f"{ours_label(p)} causal pattern", "jax", ours_pattern_build(s, text, p, ()),
                           baseline=True) for p in platforms]
-        specs.append(dense_causal)
+        if dense_causal:
+            specs.append(dense_causal)
     return specs
+
+
+# Each build returns (forward(q, k, v, *extra), extra): the packing (cu_seqlens) is one of the
+# extra arguments where there is one, traced as a training step's would be.
 
 
 def ours_selection_build(s: Settings, platform: str):
@@ -437,10 +468,10 @@ def ours_selection_build(s: Settings, platform: str):
 
         cfg = nsa_dsl.NativeSparseAttentionConfig(block_size=s.block)
 
-        def forward(q, k, v, indices, counts):
-            return nsa_dsl.native_sparse_attention(q, k, v, None, None, indices, counts, None, softmax_scale=s.scale,
-                                                   platform=platform, cfg=cfg)
-        return forward, (x.block_indices, x.block_counts)
+        def forward(q, k, v, indices, counts, cu_seqlens=None):
+            return nsa_dsl.native_sparse_attention(q, k, v, None, None, indices, counts, cu_seqlens,
+                                                   softmax_scale=s.scale, platform=platform, cfg=cfg)
+        return forward, (x.block_indices, x.block_counts, *x.packed)
     return build
 
 
@@ -450,10 +481,10 @@ def ours_compressed_build(s: Settings, platform: str):
 
         cfg = nsa_dsl.NativeSparseAttentionConfig(block_size=s.block)
 
-        def forward(q, k, v, g_cmp, g_slc):
-            return nsa_dsl.native_sparse_attention(q, k, v, g_cmp, g_slc, None, s.selected, None, softmax_scale=s.scale,
-                                                   platform=platform, cfg=cfg)
-        return forward, (x.gates["g_cmp"], x.gates["g_slc"])
+        def forward(q, k, v, g_cmp, g_slc, cu_seqlens=None):
+            return nsa_dsl.native_sparse_attention(q, k, v, g_cmp, g_slc, None, s.selected, cu_seqlens,
+                                                   softmax_scale=s.scale, platform=platform, cfg=cfg)
+        return forward, (x.gates["g_cmp"], x.gates["g_slc"], *x.packed)
     return build
 
 
@@ -463,9 +494,10 @@ def ours_pattern_build(s: Settings, text: str, platform: str, gates: tuple[str, 
 
         attention = nsa_dsl.compile(text)
 
-        def forward(q, k, v, *gate_values):
-            return attention(q, k, v, softmax_scale=s.scale, platform=platform, **dict(zip(gates, gate_values)))
-        return forward, tuple(x.gates[name] for name in gates)
+        def forward(q, k, v, *extra):
+            packing = {"cu_seqlens": extra[len(gates)]} if len(extra) > len(gates) else {}
+            return attention(q, k, v, softmax_scale=s.scale, platform=platform, **dict(zip(gates, extra)), **packing)
+        return forward, (*(x.gates[name] for name in gates), *x.packed)
     return build
 
 
@@ -500,16 +532,18 @@ def ejkernel_build(s: Settings, with_compression: bool):
         # times stay comparable between rows.
         jax.config.update("jax_enable_compilation_cache", False)
         if with_compression:
-            def forward(q, k, v, g_cmp, g_slc):
-                return ej(q, k, v, g_cmp, g_slc, None, s.selected, block_size=s.block, softmax_scale=s.scale)
-            return forward, (x.gates["g_cmp"], x.gates["g_slc"])
+            def forward(q, k, v, g_cmp, g_slc, cu_seqlens=None):
+                return ej(q, k, v, g_cmp, g_slc, None, s.selected, block_size=s.block, softmax_scale=s.scale,
+                          cu_seqlens=cu_seqlens)
+            return forward, (x.gates["g_cmp"], x.gates["g_slc"], *x.packed)
         # The Triton kernel takes an int count (it skips -1 entries); ejkernel's XLA backward
         # needs per-token counts to treat -1 padding right (benchmarks/README.md).
         counts = s.selected if s.device == "gpu" else x.block_counts
 
-        def forward(q, k, v, indices):
-            return ej(q, k, v, None, None, indices, counts, block_size=s.block, softmax_scale=s.scale)
-        return forward, (x.block_indices,)
+        def forward(q, k, v, indices, cu_seqlens=None):
+            return ej(q, k, v, None, None, indices, counts, block_size=s.block, softmax_scale=s.scale,
+                      cu_seqlens=cu_seqlens)
+        return forward, (x.block_indices, *x.packed)
     return build
 
 
@@ -646,6 +680,10 @@ class Runner:
             started = time.perf_counter()
             x = Inputs(self.s, seq_len, self.work_root)
             self.report.log(f"inputs drawn in {time.perf_counter() - started:.1f} s")
+            if x.cu_seqlens is not None:
+                lengths = np.diff(x.cu_seqlens).tolist()
+                self.report.log(f"packed sequences of {lengths} tokens")
+                self.report.data["packing"][str(seq_len)] = x.cu_seqlens.tolist()
         except Exception as err:  # noqa: BLE001 - this length is lost; the next may fit
             self.report.log(f"T={seq_len}: inputs failed: {error_text(err)}")
             traceback.print_exc(limit=4)
@@ -900,7 +938,10 @@ def ms_of(row: dict | None, mode: str) -> float | None:
 
 
 def evaluate_targets(data: dict) -> list[dict]:
+    """Issue 4's (and 5's) targets, where the run measured them: at their setting, unpacked rows."""
     rows, targets = data["rows"], []
+    if data.get("settings", {}).get("documents", 1) > 1:
+        return targets
 
     def add(text: str, seq_len, value, goal: str, met) -> None:
         targets.append({"target": text, "seq_len": seq_len, "value": value, "goal": goal, "met": met})
@@ -1068,6 +1109,8 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, Settings]:
     for name, kind in (("hq", int), ("hkv", int), ("head-dim", int), ("block", int), ("selected", int), ("window", int),
                        ("dtype", str), ("seed", int), ("xla-max-len", int)):
         parser.add_argument(f"--{name}", type=kind, help="override the setting")
+    parser.add_argument("--documents", type=int, help="sequences packed into each row (cu_seqlens; default 1: "
+                        "none); only the selection and nsa cases")
     parser.add_argument("--xla-cases", help="cases with nsa_dsl xla rows (default selection; --dry-run: all)")
     parser.add_argument("--coldstart-len", type=int, help="length of the coldstart case (default: the first length)")
     parser.add_argument("--coldstart-platform", help="platform of the coldstart case (default triton; cpu: xla)")
@@ -1085,7 +1128,7 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, Settings]:
         settings = DRY_RUN if args.dry_run else Settings()
     overrides = {"q_heads": args.hq, "kv_heads": args.hkv, "head_dim": args.head_dim, "block": args.block,
                  "selected": args.selected, "window": args.window, "dtype": args.dtype, "seed": args.seed,
-                 "xla_max_len": args.xla_max_len, "device": args.device}
+                 "xla_max_len": args.xla_max_len, "device": args.device, "documents": args.documents}
     if args.lengths:
         overrides["lengths"] = tuple(int(t) for t in args.lengths.split(","))
     if args.xla_cases:
@@ -1094,11 +1137,21 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, Settings]:
     for name, usual, dry in (("batches", 10, 3), ("min_batch_ms", 20.0, 5.0), ("time_cap_s", 0.75, 0.3)):
         if getattr(args, name) is None:
             setattr(args, name, dry if args.dry_run else usual)
+    args.cases_given = bool(args.cases)
     cases = args.cases.split(",") if args.cases else list(CASES)
     unknown = [c for c in cases if c not in CASES]
     if unknown:
         parser.error(f"--cases: unknown {unknown}; choose from {', '.join(CASES)}")
     args.cases = [c for c in CASES if c in cases]
+    if settings.documents > 1:
+        if args.cases != [c for c in args.cases if c in PACKED_CASES]:
+            if args.cases_given:
+                parser.error(f"--documents: only the {' and '.join(PACKED_CASES)} cases run on packed sequences")
+            args.cases = [c for c in args.cases if c in PACKED_CASES]
+        if settings.documents > min(settings.lengths):
+            parser.error(f"--documents {settings.documents}: more sequences than tokens in a row")
+    elif settings.documents < 1:
+        parser.error("--documents must be at least 1")
     requested = args.impls.split(",") if args.impls else list(DRY_RUN_IMPLS if args.dry_run else IMPLS)
     unknown = [i for i in requested if i not in IMPLS and i != "ours"]
     if unknown:
@@ -1129,7 +1182,9 @@ def main(argv=None) -> None:
     log(f"setting: B={s.batch} HQ={s.q_heads} HKV={s.kv_heads} D={s.head_dim} {s.dtype}, softmax scale 1/sqrt(D), "
         f"blocks of {s.block}, {s.selected} selected blocks per token (random, causal, identical for every "
         f"implementation), window {s.window}, T = {', '.join(map(str, s.lengths))}; nsa_dsl xla rows in "
-        f"{','.join(s.xla_cases)} at T <= {s.xla_max_len}")
+        f"{','.join(s.xla_cases)} at T <= {s.xla_max_len}"
+        + (f"; {s.documents} packed sequences a row (cu_seqlens, random cuts; selections within each)"
+           if s.documents > 1 else ""))
     log(f"cases: {', '.join(args.cases)}; implementations: {', '.join(args.impls)}; budget {args.budget_s:.0f} s")
     log("environment: " + (" ".join(f"{k}={v}" for k, v in report.data["environment"].items()) or "(none of "
                            + ", ".join(f"{p}*" for p in ENVIRONMENT_PREFIXES) + " set)"))

@@ -78,26 +78,28 @@ class Worker:
         from fla.ops.nsa import parallel_nsa
 
         q, k, v = x["q_grad"], x["k_grad"], x["v_grad"]
+        # Packed sequences where the JAX process drew them (block ids count from each one's start).
+        cu_seqlens = x["cu_seqlens"].long() if "cu_seqlens" in x else None
         if case == "selection":
             # Per-token counts of the real entries (the rest are -1, which FLA's kernels skip).
             indices, counts = x["block_indices"].long(), x["block_counts"].long()
             return lambda: parallel_nsa(q, k, v, block_indices=indices, block_counts=counts,
-                                        block_size=settings["block"], scale=settings["scale"])
+                                        block_size=settings["block"], scale=settings["scale"], cu_seqlens=cu_seqlens)
         if case == "nsa":
             # Compression, top-k and selection computed by FLA itself: g_cmp given, no indices.
             # No window branch: FLA's needs flash_attn, which the image does not have.
             g_cmp, g_slc = x["g_cmp"], x["g_slc"]
             return lambda: parallel_nsa(q, k, v, g_cmp=g_cmp, g_slc=g_slc, block_indices=None,
                                         block_counts=settings["selected"], block_size=settings["block"],
-                                        scale=settings["scale"])
+                                        scale=settings["scale"], cu_seqlens=cu_seqlens)
         raise ValueError(f"fla has no {case!r} case here")
 
     def flex_forward(self, case: str, x: dict, settings: dict, grad: bool):
         torch = self.torch
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-        if case != "window":
-            raise ValueError(f"flex has no {case!r} case here")
+        if case != "window" or "cu_seqlens" in x:
+            raise ValueError(f"flex has no {case!r} case here" + (" on packed sequences" if "cu_seqlens" in x else ""))
         if self.flex is None:
             # Compiled as FlexAttention is meant to run; on the CPU (dry runs) eagerly.
             self.flex = torch.compile(flex_attention, dynamic=False) if self.device == "cuda" else flex_attention

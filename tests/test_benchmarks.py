@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -55,6 +56,44 @@ def test_bench_gpu_times_every_nsa_dsl_row(tmp_path):
     assert len(checked) == 4
     for row in checked:
         assert row["max_abs_diff_vs_baseline"] < 1e-4 and row["max_abs_diff_dq_vs_baseline"] < 1e-4, row
+
+
+def test_bench_gpu_packs_documents_into_each_row(tmp_path):
+    """--documents 3: the selection and NSA cases on three packed sequences a row, nsa_dsl's rows
+    timed with the row's cu_seqlens, no dense row (none computes packed sequences) and no verdict on
+    issue 4's targets, which are set unpacked."""
+    result = dry_run("bench_gpu.py", tmp_path, "--documents", "3")
+    assert result["status"] == "complete" and result["targets"] == []
+    assert {row["case"] for row in result["rows"]} == {"selection", "nsa"}
+    assert not [row for row in result["rows"] if row["impl"] == "cudnn"]
+    for length in (128, 256):
+        starts = result["packing"][str(length)]
+        assert len(starts) == 4 and starts[0] == 0 and starts[-1] == length and all(np.diff(starts) > 0), starts
+    ours = [row for row in result["rows"] if row["impl"] == "ours-xla"]
+    assert len(ours) == 6  # selection, NSA native and NSA .nsa at both lengths
+    for row in ours:
+        for mode in ("fwd", "fwdbwd"):
+            assert row[mode].get("ms", 0) > 0, (row["case"], row["seq_len"], mode, row[mode])
+
+
+def test_bench_gpu_selections_stay_in_each_tokens_sequence():
+    """The random selections of a packed row: per token and KV head, min(S, blocks so far in its own
+    sequence) distinct block ids, each at or before the token's block counted from its sequence's
+    start, ascending, -1 after; and every such block drawn somewhere (not only the first ones)."""
+    bench = bench_gpu_module()
+    settings = bench.Settings(kv_heads=3, block=16, selected=4)
+    starts = bench.document_starts(np.random.default_rng(1), 5, 700)
+    positions = np.arange(700) - np.repeat(starts[:-1], np.diff(starts))
+    picks = bench.random_selections(np.random.default_rng(2), settings, positions)
+    assert picks.shape == (1, 700, 3, 4)
+    own = (positions // 16)[None, :, None]
+    taken = picks >= 0
+    assert (taken.sum(-1) == np.minimum(4, own + 1)).all()
+    assert (np.where(taken, picks, 0) <= own[..., None]).all()
+    assert ((np.diff(picks, axis=-1) > 0) | ~taken[..., 1:]).all()  # distinct: ascending
+    assert (taken[..., :-1] >= taken[..., 1:]).all()  # -1 only after the ids
+    late = positions >= 20 * 16  # tokens with at least 21 blocks behind them draw from all of them
+    assert set(np.unique(picks[0, late][picks[0, late] >= 0])) == set(range(int(own.max()) + 1))
 
 
 def test_ncu_stall_groups_sums_each_kernels_samples_by_execution_count(tmp_path):
