@@ -131,7 +131,7 @@ def order(length: int, variants: list[str], heads: Heads) -> None:
     v = jax.random.normal(keys[2], (1, length, HKV, D), jnp.bfloat16)
     d_out = jax.random.normal(keys[3], q.shape, jnp.bfloat16)
     settings = Settings(q_heads=HQ, kv_heads=HKV, head_dim=D, block=BLOCK, selected=S)
-    indices = jnp.asarray(random_selections(np.random.default_rng([0, length]), settings, length))
+    indices = jnp.asarray(random_selections(np.random.default_rng([0, length]), settings, np.arange(length)))
     cfg = nsa_dsl.NativeSparseAttentionConfig(block_size=BLOCK)
 
     # Arrays reach the jitted calls as arguments: captured, they would be constants of the

@@ -239,6 +239,15 @@ def document_starts(rng: np.random.Generator, documents: int, seq_len: int) -> n
     return np.concatenate([[0], cuts, [seq_len]]).astype(np.int32)
 
 
+def packing(s: Settings, seq_len: int) -> tuple[np.ndarray | None, np.ndarray]:
+    """(cu_seqlens of the row's s.documents packed sequences, None for one; each token's position
+    in its sequence [T])."""
+    if s.documents <= 1:
+        return None, np.arange(seq_len)
+    cu_seqlens = document_starts(np.random.default_rng([s.seed, seq_len, s.documents]), s.documents, seq_len)
+    return cu_seqlens, np.arange(seq_len) - np.repeat(cu_seqlens[:-1], np.diff(cu_seqlens))
+
+
 def random_selections(rng: np.random.Generator, s: Settings, positions: np.ndarray) -> np.ndarray:
     """[B, T, HKV, S] block ids: for each token (at `positions` [T] in its sequence) and KV head, S
     distinct causally valid blocks of its sequence (all of them where fewer exist) drawn uniformly by
@@ -277,11 +286,7 @@ class Inputs:
         self.do = jax.random.normal(keys[3], q_shape, dtype)
         self.gates = {name: jax.nn.sigmoid(jax.random.normal(key, gate_shape, jnp.float32)).astype(dtype)
                       for name, key in zip(("g_cmp", "g_slc", "g_swa"), keys[4:])}
-        if s.documents > 1:
-            self.cu_seqlens = document_starts(np.random.default_rng([s.seed, seq_len, s.documents]), s.documents, seq_len)
-            self.positions = np.arange(seq_len) - np.repeat(self.cu_seqlens[:-1], np.diff(self.cu_seqlens))
-        else:
-            self.cu_seqlens, self.positions = None, np.arange(seq_len)
+        self.cu_seqlens, self.positions = packing(s, seq_len)
         # The extra argument of every row's forward where the row is packed.
         self.packed = () if self.cu_seqlens is None else (jnp.asarray(self.cu_seqlens),)
         self.selections = random_selections(np.random.default_rng([s.seed, seq_len]), s, self.positions)
@@ -458,7 +463,7 @@ def row_specs(case: str, s: Settings, seq_len: int) -> list[RowSpec]:
     return specs
 
 
-# Each build returns (forward(q, k, v, *extra), extra): the packing (cu_seqlens) is one of the
+# Each build returns (forward(q, k, v, *extra), extra): nsa_dsl's packing (cu_seqlens) is one of the
 # extra arguments where there is one, traced as a training step's would be.
 
 
@@ -531,19 +536,21 @@ def ejkernel_build(s: Settings, with_compression: bool):
         # Importing ejkernel switches on JAX's persistent compilation cache: off, so first-call
         # times stay comparable between rows.
         jax.config.update("jax_enable_compilation_cache", False)
+        # It reads cu_seqlens on the host (a traced one raises ConcretizationTypeError): a constant.
+        cu_seqlens = x.packed[0] if x.packed else None
         if with_compression:
-            def forward(q, k, v, g_cmp, g_slc, cu_seqlens=None):
+            def forward(q, k, v, g_cmp, g_slc):
                 return ej(q, k, v, g_cmp, g_slc, None, s.selected, block_size=s.block, softmax_scale=s.scale,
                           cu_seqlens=cu_seqlens)
-            return forward, (x.gates["g_cmp"], x.gates["g_slc"], *x.packed)
+            return forward, (x.gates["g_cmp"], x.gates["g_slc"])
         # The Triton kernel takes an int count (it skips -1 entries); ejkernel's XLA backward
         # needs per-token counts to treat -1 padding right (benchmarks/README.md).
         counts = s.selected if s.device == "gpu" else x.block_counts
 
-        def forward(q, k, v, indices, cu_seqlens=None):
+        def forward(q, k, v, indices):
             return ej(q, k, v, None, None, indices, counts, block_size=s.block, softmax_scale=s.scale,
                       cu_seqlens=cu_seqlens)
-        return forward, (x.block_indices, *x.packed)
+        return forward, (x.block_indices,)
     return build
 
 

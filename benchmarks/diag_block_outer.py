@@ -57,7 +57,7 @@ def main() -> None:
     q = jax.random.normal(keys[0], (length, HQ, D), dtype)
     k = jax.random.normal(keys[1], (length, HKV, D), dtype)
     v = jax.random.normal(keys[2], (length, HKV, D), dtype)
-    indices = jnp.asarray(random_selections(np.random.default_rng([0, length]), Settings(), length))
+    indices = jnp.asarray(random_selections(np.random.default_rng([0, length]), Settings(), np.arange(length)))
     cfg = nsa_dsl.NativeSparseAttentionConfig(block_size=BLOCK)
     whole = jax.jit(lambda q, k, v, i: nsa_dsl.native_sparse_attention(
         q[None], k[None], v[None], None, None, i, S, None, platform="triton", cfg=cfg))

@@ -14,7 +14,8 @@ so the sum is close to, not equal to, the forward's time back to back). Where th
 `--constants "SEGMENT_ROWS=2048,LAUNCH.<kernel>=4x1"` profiles the forward with those constants of
 the generated modules (module_constants.py), e.g. to compare a setting's kernels beside main's.
 `--backward` profiles the forward and the backward (jax.vjp's pullback of a random cotangent) instead;
-`--hq`, `--hkv` and `--head-dim` change bench_gpu's heads and head dim.
+`--hq`, `--hkv` and `--head-dim` change bench_gpu's heads and head dim; `--documents N` packs N
+sequences into the row as bench_gpu's option does (cu_seqlens traced).
 """
 
 from __future__ import annotations
@@ -39,27 +40,32 @@ def forward_and_inputs(length: int, case: str = "nsa", backward: bool = False, *
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from bench_gpu import NSA_PATTERN, Settings, random_selections
+    from bench_gpu import NSA_PATTERN, Settings, packing, random_selections
 
     import nsa_dsl
 
     s = dataclasses.replace(Settings(), **settings)
+    cu_seqlens, positions = packing(s, length)
+    packed = {} if cu_seqlens is None else {"cu_seqlens": jnp.asarray(cu_seqlens)}
     keys = jax.random.split(jax.random.key(0), 4)
     q = jax.random.normal(keys[0], (1, length, s.q_heads, s.head_dim), jnp.bfloat16)
     k, v = (jax.random.normal(key, (1, length, s.kv_heads, s.head_dim), jnp.bfloat16) for key in keys[1:3])
     if case == "nsa":
         attention = nsa_dsl.compile(NSA_PATTERN.format(block=s.block, selected=s.selected, window=s.window))
         gates = jax.nn.sigmoid(jax.random.normal(keys[3], (3, 1, length, s.q_heads), jnp.float32)).astype(jnp.bfloat16)
-        def forward(q, k, v, g):
-            return attention(q, k, v, g_cmp=g[0], g_slc=g[1], g_swa=g[2], platform="triton")
-        args = (q, k, v, gates)
+        def forward(q, k, v, extra):
+            g, packed = extra
+            return attention(q, k, v, g_cmp=g[0], g_slc=g[1], g_swa=g[2], platform="triton", **packed)
+        args = (q, k, v, (gates, packed))
     else:
-        indices = jnp.asarray(random_selections(np.random.default_rng([0, length]), s, length))
+        indices = jnp.asarray(random_selections(np.random.default_rng([0, length]), s, positions))
         cfg = nsa_dsl.NativeSparseAttentionConfig(block_size=s.block)
 
-        def forward(q, k, v, i):
-            return nsa_dsl.native_sparse_attention(q, k, v, None, None, i, s.selected, None, platform="triton", cfg=cfg)
-        args = (q, k, v, indices)
+        def forward(q, k, v, extra):
+            i, packed = extra
+            return nsa_dsl.native_sparse_attention(q, k, v, None, None, i, s.selected, packed.get("cu_seqlens"),
+                                                   platform="triton", cfg=cfg)
+        args = (q, k, v, (indices, packed))
     if not backward:
         return jax.jit(forward), args
     d_out = jax.random.normal(jax.random.key(1), q.shape, q.dtype)
@@ -118,12 +124,14 @@ def main() -> None:
     parser.add_argument("--hq", type=int, help="query heads (bench_gpu's by default)")
     parser.add_argument("--hkv", type=int, help="KV heads")
     parser.add_argument("--head-dim", type=int)
+    parser.add_argument("--documents", type=int, help="sequences packed into the row (cu_seqlens)")
     args = parser.parse_args()
     if args.summarise:
         summarise(args.summarise)
     else:
         settings = {name: value for name, value in
-                    (("q_heads", args.hq), ("kv_heads", args.hkv), ("head_dim", args.head_dim)) if value is not None}
+                    (("q_heads", args.hq), ("kv_heads", args.hkv), ("head_dim", args.head_dim),
+                     ("documents", args.documents)) if value is not None}
         profile(args.length, args.case, args.constants, args.backward, **settings)
 
 

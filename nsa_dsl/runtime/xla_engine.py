@@ -206,11 +206,13 @@ def tile_queries(tiles, q_pos):
 
 def tile_rows(rows, tiles, frame, heads_kv):
     """Per-query rows [N, H, D] of every tile -> [tiles, HKV, frame.rows, H // HKV, D]; rows that
-    hold no query are whatever the clamped gather reads (callers mask them)."""
+    hold no query are zeros. (The clamped gather reads rows of other sequences there: zeroed, a
+    non-finite one neither reaches this sequence's key gradients nor takes their gradients back.)"""
     num_tiles = tiles["start"].shape[0]
     heads, dim = rows.shape[1:]
     index = frame.query_rows(tiles["start"][:, None] + tiles["q_pos"])
-    blocks = jnp.take(rows, index, axis=0, mode="clip")
+    used = tile_queries(tiles, tiles["q_pos"])
+    blocks = jnp.where(used[..., None, None], jnp.take(rows, index, axis=0, mode="clip"), jnp.zeros((), rows.dtype))
     return blocks.reshape(num_tiles, frame.rows, heads_kv, heads // heads_kv, dim).transpose(0, 2, 1, 3, 4)
 
 
@@ -290,6 +292,15 @@ def _steps(sched, step, carry, work):
     return lax.fori_loop(0, count, lambda index, c: step(c, index), carry)
 
 
+def _seen_columns(visible):
+    """[C, 1|HKV, block]: the key columns of a step's blocks that some query row of the item sees.
+    A block may reach past the item's sequence (into the next packed sequence, another batch row,
+    or, for an entry that names no block, the first rows), and zero weights alone do not keep a
+    non-finite key or value out of a product (0 * inf is NaN): the columns no row sees are zeroed
+    before they meet another operand, and their gradients are zeroed before they are added."""
+    return jnp.any(visible, axis=(2, 3))
+
+
 def _chunk_forward(sched, q, keys_t, values, work):
     """One chunk: q [C, HKV, R, G, D] -> (out [C, HKV, R, G, D], lse [C, HKV, R, G])."""
 
@@ -297,7 +308,7 @@ def _chunk_forward(sched, q, keys_t, values, work):
         running_max, total, acc = carry
         starts, visible = sched.keys_for(work, index)
         k_t = gather_columns(keys_t, starts, sched.block)
-        v = gather_rows(values, starts, sched.block)
+        v = jnp.where(_seen_columns(visible)[..., None], gather_rows(values, starts, sched.block), 0.0)
         scores = jnp.where(visible, jnp.einsum("chrgd,chdk->chrgk", q, k_t, precision=sched.precision), -jnp.inf)
         new_max = jnp.maximum(running_max, scores.max(axis=-1))
         shift = jnp.where(new_max > -jnp.inf, new_max, 0.0)  # rows that have seen no key yet
@@ -325,15 +336,22 @@ def _chunk_backward(sched, q, d_out, lse, delta, keys, keys_t, values_t, work, g
     def step(carry, index):
         dq, (dk_t, dv_t) = carry
         starts, visible = sched.keys_for(work, index)
+        seen = _seen_columns(visible)
         k_t = gather_columns(keys_t, starts, sched.block)
         v_t = gather_columns(values_t, starts, sched.block)
         scores = jnp.einsum("chrgd,chdk->chrgk", q, k_t, precision=sched.precision)
         p = jnp.where(visible, jnp.exp(scores - lse[..., None]), 0.0)
-        ds = p * (jnp.einsum("chrgd,chdk->chrgk", d_out, v_t, precision=sched.precision) - delta[..., None])
-        dq = dq + jnp.einsum("chrgk,chkd->chrgd", ds, gather_rows(keys, starts, sched.block), precision=sched.precision)
+        dp = jnp.einsum("chrgd,chdk->chrgk", d_out, v_t, precision=sched.precision)
+        ds = jnp.where(visible, p * (dp - delta[..., None]), 0.0)
+        k = jnp.where(seen[..., None], gather_rows(keys, starts, sched.block), 0.0)
+        dq = dq + jnp.einsum("chrgk,chkd->chrgd", ds, k, precision=sched.precision)
         p, ds = (x.reshape(items, heads_kv, rows * group, sched.block) for x in (p, ds))
-        dk_t = scatter_add_columns(dk_t, starts, jnp.einsum("chdn,chnk->chdk", q_t, ds, precision=sched.precision))
-        dv_t = scatter_add_columns(dv_t, starts, jnp.einsum("chdn,chnk->chdk", d_out_t, p, precision=sched.precision))
+        dk_block, dv_block = (
+            jnp.where(seen[:, :, None, :], jnp.einsum("chdn,chnk->chdk", x_t, y, precision=sched.precision), 0.0)
+            for x_t, y in ((q_t, ds), (d_out_t, p))
+        )
+        dk_t = scatter_add_columns(dk_t, starts, dk_block)
+        dv_t = scatter_add_columns(dv_t, starts, dv_block)
         return dq, (dk_t, dv_t)
 
     dq = _filled((q, d_out, lse, delta, keys_t, values_t, work), q.shape, 0.0)
