@@ -53,7 +53,7 @@ def rows_of_others(sequence):
 
 
 CASES = [
-    ("compression", "xla"),
+    ("compression", "xla"), ("compression", "triton"),
     ("selection", "xla"), ("selection", "triton"),
     ("window", "xla"), ("window", "triton"),
     ("causal", "xla"), ("causal", "triton"),
