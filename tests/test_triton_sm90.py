@@ -51,8 +51,10 @@ CASES = {
         {"pattern": PER_BLOCK, **BENCHMARK, "heads_q": 16, "heads_kv": 1, "head_dim": 256, "dtype": "float32"},
     ],
     # Decoding steps of 8 sequences: tiles of one query row and a group's heads (padded to 16 rows for
-    # GQA 4), walks split into shares; one sequence of 1M tokens splits its top-k into 64.
+    # GQA 4), walks split into shares; one sequence of 1M tokens splits its top-k into 64. Two
+    # sequences, forward and backward: the compression walks each sequence's keys apart (while loops).
     "decoding steps": [
+        {"pattern": "nsa.nsa", **BENCHMARK, "batch": 2, "seq_len": 1000},
         {"pattern": "nsa.nsa", **BENCHMARK, "batch": 8, "decode": True},
         {"pattern": "nsa.nsa", **BENCHMARK, "seq_len": 1 << 20, "decode": True},
         {"pattern": "nsa.nsa", **BENCHMARK, "batch": 8, "heads_q": 16, "dtype": "float16", "decode": True},
