@@ -422,16 +422,13 @@ def row_specs(case: str, s: Settings, seq_len: int) -> list[RowSpec]:
     dense_causal = RowSpec("cudnn", "", dense_label, "jax", dense_build(s, None), comparable=case == "causal",
                            memo="dense causal", work_case="causal")
     specs = []
-    if s.documents > 1:  # no dense row computes packed sequences
-        dense_causal = None
     if case == "selection":
         specs += [RowSpec(f"ours-{p}", "", ours_label(p), "jax", ours_selection_build(s, p), baseline=True)
                   for p in platforms]
         specs.append(RowSpec("fla", "", "FLA parallel_nsa", "torch"))
         specs.append(RowSpec("ejkernel", "", f"ejkernel native_sparse_attention ({'triton' if on_gpu else 'xla'})",
                              "jax", ejkernel_build(s, with_compression=False)))
-        if dense_causal:
-            specs.append(dense_causal)
+        specs.append(dense_causal)
     elif case == "nsa":
         text = NSA_PATTERN.format(block=s.block, selected=s.selected, window=s.window)
         for p in platforms:
@@ -444,8 +441,7 @@ def row_specs(case: str, s: Settings, seq_len: int) -> list[RowSpec]:
         specs.append(RowSpec("fla", "native", "FLA parallel_nsa(g_cmp), no window", "torch", comparable=False))
         specs.append(RowSpec("ejkernel", "native", f"ejkernel nsa(g_cmp) ({'triton' if on_gpu else 'xla'})", "jax",
                              ejkernel_build(s, with_compression=True)))
-        if dense_causal:
-            specs.append(dense_causal)
+        specs.append(dense_causal)
     elif case == "window":
         text = WINDOW_PATTERN.format(block=s.block, window=s.window)
         specs += [RowSpec(f"ours-{p}", "", f"{ours_label(p)} window({s.window})", "jax",
@@ -458,8 +454,9 @@ def row_specs(case: str, s: Settings, seq_len: int) -> list[RowSpec]:
         text = CAUSAL_PATTERN.format(block=s.block)
         specs += [RowSpec(f"ours-{p}", "", f"{ours_label(p)} causal pattern", "jax", ours_pattern_build(s, text, p, ()),
                           baseline=True) for p in platforms]
-        if dense_causal:
-            specs.append(dense_causal)
+        specs.append(dense_causal)
+    if s.documents > 1:  # no dense row computes packed sequences
+        specs = [sp for sp in specs if sp.memo != "dense causal"]
     return specs
 
 
@@ -1144,15 +1141,15 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, Settings]:
     for name, usual, dry in (("batches", 10, 3), ("min_batch_ms", 20.0, 5.0), ("time_cap_s", 0.75, 0.3)):
         if getattr(args, name) is None:
             setattr(args, name, dry if args.dry_run else usual)
-    args.cases_given = bool(args.cases)
+    cases_given = bool(args.cases)
     cases = args.cases.split(",") if args.cases else list(CASES)
     unknown = [c for c in cases if c not in CASES]
     if unknown:
         parser.error(f"--cases: unknown {unknown}; choose from {', '.join(CASES)}")
     args.cases = [c for c in CASES if c in cases]
     if settings.documents > 1:
-        if args.cases != [c for c in args.cases if c in PACKED_CASES]:
-            if args.cases_given:
+        if any(c not in PACKED_CASES for c in args.cases):
+            if cases_given:
                 parser.error(f"--documents: only the {' and '.join(PACKED_CASES)} cases run on packed sequences")
             args.cases = [c for c in args.cases if c in PACKED_CASES]
         if settings.documents > min(settings.lengths):
