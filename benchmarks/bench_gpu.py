@@ -533,8 +533,9 @@ def ejkernel_build(s: Settings, with_compression: bool):
         # Importing ejkernel switches on JAX's persistent compilation cache: off, so first-call
         # times stay comparable between rows.
         jax.config.update("jax_enable_compilation_cache", False)
-        # It reads cu_seqlens on the host (a traced one raises ConcretizationTypeError): a constant.
-        cu_seqlens = x.packed[0] if x.packed else None
+        # It reads cu_seqlens on the host (jnp.repeat of its lengths): a numpy constant, since any
+        # jax.Array, a closed-over one too, is traced under jit (ConcretizationTypeError).
+        cu_seqlens = x.cu_seqlens
         if with_compression:
             def forward(q, k, v, g_cmp, g_slc):
                 return ej(q, k, v, g_cmp, g_slc, None, s.selected, block_size=s.block, softmax_scale=s.scale,
