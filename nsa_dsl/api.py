@@ -68,7 +68,8 @@ def native_sparse_attention(
     `cfg`: a NativeSparseAttentionConfig is used as given. None (block_size 64): the tuned
     configuration of these shapes on this device if one is stored, else the kernels' defaults,
     tuning first where compiled GPU/TPU kernels run (NSA_DSL_AUTOTUNE=0: never, =1: always);
-    "autotune": tune now unless stored; "heuristic": the defaults. See nsa_dsl.NativeSparseAttention.
+    "autotune": tune now unless stored; "heuristic": the defaults. `platform` ("xla", "triton",
+    "pallas"), when given, takes precedence over cfg.platform. See nsa_dsl.NativeSparseAttention.
     """
     return _KERNEL(query, key, value, g_cmp, g_slc, block_indices, block_counts, softmax_scale, cu_seqlens, platform,
                    cfg=cfg)

@@ -754,5 +754,12 @@ def test_a_str_naming_a_file_that_is_not_nsa_says_how_to_read_it(tmp_path):
     err = failure(str(path))
     assert (err.line, err.column) == (1, 1)
     assert err.hint == (f"{str(path)!r} names a file, read as .nsa text: pass pathlib.Path({str(path)!r}) to read the "
-                        "file (a str is a path only when it ends in .nsa)")
+                        "file (a str is a path only when it is one line ending in .nsa)")
     assert load(path) == load(path.read_text())
+    # a .nsa path with a line end after it is text too; a path to no file says so
+    nsa_path = tmp_path / "pattern.nsa"
+    nsa_path.write_text(path.read_text())
+    assert failure(f"{nsa_path}\n").hint.startswith(f"{str(nsa_path)!r} names a file, read as .nsa text: pass")
+    missing = str(tmp_path / "missing.txt")
+    assert failure(missing).hint == f"{missing!r} looks like a path, read as .nsa text: no such file exists"
+    assert "file" not in str(failure("branch b = window(3)")) and "path" not in str(failure("branch b = window(3)"))

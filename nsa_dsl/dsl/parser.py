@@ -226,14 +226,26 @@ def read(source: str | os.PathLike, *, file: str | None = None) -> ast.Module:
         try:
             return parse(source, file=file or "<string>")
         except NsaSyntaxError as err:
-            if "\n" in source or not os.path.isfile(source):
+            hint = _path_hint(source.strip())
+            if hint is None:
                 raise
             raise NsaSyntaxError(
-                err.message, file=err.file, line=err.line, column=err.column, source_line=err.source_line,
-                hint=f"{source!r} names a file, read as .nsa text: pass pathlib.Path({source!r}) to read the file "
-                "(a str is a path only when it ends in .nsa)",
+                err.message, file=err.file, line=err.line, column=err.column, source_line=err.source_line, hint=hint
             ) from None
     raise TypeError(f"source must be .nsa text or a path to a .nsa file, got {type(source).__name__}")
+
+
+def _path_hint(text: str) -> str | None:
+    """A hint for .nsa text that did not parse and is one line that names a file or looks like a
+    path (a str is read as a path only when it is one line ending in .nsa); None otherwise."""
+    if "\n" in text:
+        return None
+    if os.path.isfile(text):
+        return (f"{text!r} names a file, read as .nsa text: pass pathlib.Path({text!r}) to read the file "
+                "(a str is a path only when it is one line ending in .nsa)")
+    if "/" in text or os.sep in text or text.endswith(".nsa"):
+        return f"{text!r} looks like a path, read as .nsa text: no such file exists"
+    return None
 
 
 def _decoded(data: bytes, file: str) -> str:
