@@ -9,11 +9,14 @@ out as they did. Three sequences cut off the block grid (and a block of 16 over 
 tiles straddle their boundaries; the planted rows sit in the middle of the second sequence, on
 its last row, and on the third's first.
 
-Every platform's kernels isolate, the Pallas TPU variant's included (interpreted here); the
-Mosaic GPU kernels a Hopper runs for windows and `causal` are checked on a GPU only.
+Every platform's kernels isolate, the Pallas TPU variant's included (interpreted here), but for
+the Mosaic GPU kernels a Hopper runs for windows and `causal` in bfloat16/float16: on a GPU the
+compiled kernels run the same check in bfloat16, those expected to fail.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,63 +25,108 @@ import pytest
 
 import nsa_dsl
 from conftest import gate, qkv, random_indices
+from nsa_dsl.runtime import triton_glue
 
-CU_SEQLENS = np.array([0, 37, 100, 160], np.int32)
-BLOCK = 16
+PATTERNS = {"window": "window({window})", "causal": "local(2147483647)"}
+
+
+class Packing(NamedTuple):
+    """A packed batch row and its settings; `planted`: (array, row, value) of each poisoned run."""
+
+    cu_seqlens: np.ndarray
+    block: int
+    window: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    dtype: object
+    planted: tuple
+
+
+CPU_PACKING = Packing(np.array([0, 37, 100, 160], np.int32), 16, 20, 4, 2, 16, np.float32,
+                      (("k", 60, np.nan), ("v", 99, np.inf), ("k", 100, -np.inf), ("v", 100, np.nan)))
+# The compiled kernels' tiles: blocks of 64, a 200-token window, the Hopper kernels' bf16 and head dim.
+GPU_PACKING = Packing(np.array([0, 370, 1000, 1600], np.int32), 64, 200, 16, 2, 64, jnp.bfloat16,
+                      (("k", 600, np.nan), ("v", 999, np.inf), ("k", 1000, -np.inf), ("v", 1000, np.nan)))
 SCALE = 0.25
-PATTERNS = {"window": "window(20)", "causal": "local(2147483647)"}
 
 
-def attention_of(case, rng, platform, backend, heads_q):
+def attention_of(case, rng, platform, backend, packing):
     """(q, k, v) -> out for the case, its gates and selections drawn once; backend: the config's
     (None, or "tpu" for the Pallas TPU variant, interpreted)."""
-    seq_len = int(CU_SEQLENS[-1])
-    cu_seqlens = jnp.asarray(CU_SEQLENS)
-    config = nsa_dsl.NativeSparseAttentionConfig(block_size=BLOCK, backend=backend)
+    seq_len = int(packing.cu_seqlens[-1])
+    cu_seqlens = jnp.asarray(packing.cu_seqlens)
+    config = nsa_dsl.NativeSparseAttentionConfig(block_size=packing.block, backend=backend)
     if case == "compression":
-        g_cmp, g_slc = (jnp.asarray(gate(rng, 1, seq_len, heads_q)) for _ in range(2))
+        g_cmp, g_slc = (jnp.asarray(gate(rng, 1, seq_len, packing.heads_q)) for _ in range(2))
         return lambda q, k, v: nsa_dsl.native_sparse_attention(
             q, k, v, g_cmp, g_slc, None, 2, cu_seqlens, softmax_scale=SCALE, platform=platform, cfg=config)
     if case == "selection":
-        indices = jnp.asarray(random_indices(rng, 1, seq_len, 2, 3, BLOCK, CU_SEQLENS))
+        indices = random_indices(rng, 1, seq_len, packing.heads_kv, 3, packing.block, packing.cu_seqlens)
         return lambda q, k, v: nsa_dsl.native_sparse_attention(
-            q, k, v, None, None, indices, 3, cu_seqlens, softmax_scale=SCALE, platform=platform, cfg=config)
-    source = f"pattern isolated_{case}\nblock {BLOCK}\ncausal\nbranch main = {PATTERNS[case]}\n"
-    pattern = nsa_dsl.compile(source, config=config)
+            q, k, v, None, None, jnp.asarray(indices), 3, cu_seqlens, softmax_scale=SCALE, platform=platform,
+            cfg=config)
+    keys = PATTERNS[case].format(window=packing.window)
+    pattern = nsa_dsl.compile(f"pattern isolated_{case}\nblock {packing.block}\ncausal\nbranch main = {keys}\n",
+                              config=config)
     return lambda q, k, v: pattern(q, k, v, cu_seqlens=cu_seqlens, softmax_scale=SCALE, platform=platform)
 
 
-def rows_of_others(sequence):
-    return np.concatenate([np.arange(a, b) for s, (a, b) in enumerate(zip(CU_SEQLENS[:-1], CU_SEQLENS[1:]))
-                           if s != sequence])
+def assert_isolated(rng, case, platform, backend, packing, tolerance):
+    """Each planted value leaves the other sequences' outputs and gradients as they were."""
+    cu_seqlens = packing.cu_seqlens
+    q, k, v = (jnp.asarray(x, packing.dtype) for x in qkv(
+        rng, 1, int(cu_seqlens[-1]), packing.heads_q, packing.heads_kv, packing.head_dim))
+    attention = attention_of(case, rng, platform, backend, packing)
+    cotangent = rng.standard_normal(q.shape).astype(np.float32)
+    for name, row, value in packing.planted:
+        sequence = int(np.searchsorted(cu_seqlens, row, side="right")) - 1
+        others = np.concatenate([np.arange(a, b) for s, (a, b) in enumerate(zip(cu_seqlens[:-1], cu_seqlens[1:]))
+                                 if s != sequence])
+        weights = cotangent.copy()
+        weights[:, cu_seqlens[sequence]:cu_seqlens[sequence + 1]] = 0.0  # the loss reads the others only
+
+        @jax.jit
+        def run(q, k, v):
+            out, pullback = jax.vjp(attention, q, k, v)
+            return (out, *pullback(jnp.asarray(weights, q.dtype)))
+
+        def of_others(results):
+            return [np.asarray(x, np.float32)[0, others] for x in results]
+
+        clean = of_others(run(q, k, v))
+        planted = {"k": np.asarray(k, np.float32).copy(), "v": np.asarray(v, np.float32).copy()}
+        planted[name][0, row, 1, 3] = value
+        poisoned = of_others(run(q, *(jnp.asarray(planted[x], packing.dtype) for x in ("k", "v"))))
+        for what, expected, actual in zip(("out", "dq", "dk", "dv"), clean, poisoned):
+            assert np.isfinite(actual).all(), f"{value} in {name} row {row}: {what} of other sequences not finite"
+            np.testing.assert_allclose(actual, expected, rtol=tolerance, atol=tolerance,
+                                       err_msg=f"{value} in {name} row {row}: {what} of other sequences")
 
 
-CASES = [(case, platform, None) for platform in ("xla", "triton", "pallas")
-         for case in ("compression", "selection", "window", "causal")]
-CASES += [(case, "pallas", "tpu") for case in ("compression", "selection", "window", "causal")]
+KINDS = ("compression", "selection", "window", "causal")
+CASES = [(case, platform, None) for platform in ("xla", "triton", "pallas") for case in KINDS]
+CASES += [(case, "pallas", "tpu") for case in KINDS]
 
 
 @pytest.mark.parametrize("case, platform, backend", CASES)
 def test_a_non_finite_key_or_value_stays_in_its_sequence(rng, case, platform, backend):
-    heads_q, heads_kv, dim = 4, 2, 16
-    q, k, v = (jnp.asarray(x) for x in qkv(rng, 1, int(CU_SEQLENS[-1]), heads_q, heads_kv, dim))
-    attention = attention_of(case, rng, platform, backend, heads_q)
-    cotangent = rng.standard_normal(q.shape).astype(np.float32)
-    for name, row, value in (("k", 60, np.nan), ("v", 99, np.inf), ("k", 100, -np.inf), ("v", 100, np.nan)):
-        sequence = int(np.searchsorted(CU_SEQLENS, row, side="right")) - 1
-        others = rows_of_others(sequence)
-        weights = cotangent.copy()
-        weights[:, CU_SEQLENS[sequence]:CU_SEQLENS[sequence + 1]] = 0.0  # the loss reads the others only
+    assert_isolated(rng, case, platform, backend, CPU_PACKING, 1e-6)
 
-        def run(q, k, v):
-            out, pullback = jax.vjp(attention, q, k, v)
-            return (out, *pullback(jnp.asarray(weights)))
 
-        clean = [np.asarray(x)[0, others] for x in run(q, k, v)]
-        planted = {"k": np.asarray(k).copy(), "v": np.asarray(v).copy()}
-        planted[name][0, row, 1, 3] = value
-        poisoned = [np.asarray(x)[0, others] for x in run(q, jnp.asarray(planted["k"]), jnp.asarray(planted["v"]))]
-        for what, expected, actual in zip(("out", "dq", "dk", "dv"), clean, poisoned):
-            assert np.isfinite(actual).all(), f"{value} in {name} row {row}: {what} of other sequences not finite"
-            np.testing.assert_allclose(actual, expected, rtol=1e-6, atol=1e-6,
-                                       err_msg=f"{value} in {name} row {row}: {what} of other sequences")
+def hopper_leak(case, platform):
+    """The Mosaic GPU window/causal kernels' tiles span packed sequences (README: "Keys and values
+    must be finite"): measured leaking on an H100 (session 71)."""
+    leaks = platform == "triton" and case in ("window", "causal") and triton_glue.on_hopper()
+    return pytest.mark.xfail(leaks, reason="Hopper's Mosaic GPU window/causal tiles span sequences", strict=True)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU: the compiled kernels in bfloat16")
+@pytest.mark.parametrize("case, platform", [
+    pytest.param(case, platform, marks=hopper_leak(case, platform))
+    for platform in ("triton", "pallas") for case in KINDS
+])
+def test_a_non_finite_key_or_value_stays_in_its_sequence_compiled(rng, case, platform):
+    """The compiled kernels, in bfloat16 as the Hopper kernels take it: without atomics, the clean
+    and the poisoned runs agree exactly where they isolate."""
+    assert_isolated(rng, case, platform, None, GPU_PACKING, 0.0)
