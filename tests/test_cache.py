@@ -9,6 +9,7 @@ import multiprocessing.synchronize
 import os
 import subprocess
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -470,3 +471,11 @@ def test_a_cache_that_cannot_be_written_runs_the_module_from_memory(tmp_path: Pa
         with pytest.warns(cache.CacheWarning, match="could not write"):
             out = np.asarray(attention(q, k, v, platform=platform))
         assert np.abs(out - expected).max() <= 1e-5 * np.abs(expected).max()
+        # the module rendered for the call serves its source() and module_path(): no second render, no warning
+        renders = []
+        with monkeypatch.context() as patch, warnings.catch_warnings():
+            patch.setattr(cache, "_render_module", lambda *args: renders.append(args))
+            warnings.simplefilter("error")
+            assert "def sparse_attention(" in attention.source(platform)
+            assert not attention.module_path(platform).is_file()
+        assert renders == []

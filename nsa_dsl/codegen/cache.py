@@ -127,12 +127,19 @@ def _render_module(backend: str, plan: Plan, config: NativeSparseAttentionConfig
     return render(f"{backend}/module.py.j2", plan=plan, config=config, version=_version_text(), backend=backend)
 
 
+# Modules rendered where the cache could not take them, by the path they were meant for: the
+# process renders (and warns about) each once.
+_unwritten: dict[Path, str] = {}
+
+
 def _ensure_entry(backend: str, key: str, plan: Plan, config: NativeSparseAttentionConfig | None) -> tuple[Path, str]:
     """(path, source) of a valid cache entry under `key`, (re)generating it when needed."""
     path = _entry_path(backend, key)
     cached = _read_valid(path)
     if cached is not None:
         return path, cached
+    if path in _unwritten:
+        return path, _unwritten[path]
     text = _render_module(backend, plan, config)
     data = text.encode()
     sidecar = {"sha256": _sha256(data), "nsa_dsl": __version__, "backend": backend, "pattern": plan.name}
@@ -146,6 +153,7 @@ def _ensure_entry(backend: str, key: str, plan: Plan, config: NativeSparseAttent
             f"from memory. Point NSA_DSL_CACHE_DIR at a writable directory to keep it for later processes.",
             CacheWarning, stacklevel=4,
         )
+        _unwritten[path] = text
     return path, text
 
 
