@@ -427,14 +427,14 @@ def row_specs(case: str, s: Settings, seq_len: int) -> list[RowSpec]:
     # it. Its XLA path (0.0.80.3) drops cu_seqlens without a word and attends across the sequences.
     ejkernel_packed = s.documents > 1
     ejkernel_jits = not (ejkernel_packed and on_gpu)
-    eager = "" if not ejkernel_packed else ", eager" if on_gpu else ", drops cu_seqlens"
+    ejkernel_packing = "" if not ejkernel_packed else ", eager" if on_gpu else ", drops cu_seqlens"
     ejkernel_comparable = on_gpu or not ejkernel_packed
     specs = []
     if case == "selection":
         specs += [RowSpec(f"ours-{p}", "", ours_label(p), "jax", ours_selection_build(s, p), baseline=True)
                   for p in platforms]
         specs.append(RowSpec("fla", "", "FLA parallel_nsa", "torch"))
-        specs.append(RowSpec("ejkernel", "", f"ejkernel native_sparse_attention ({'triton' if on_gpu else 'xla'}){eager}",
+        specs.append(RowSpec("ejkernel", "", f"ejkernel native_sparse_attention ({'triton' if on_gpu else 'xla'}){ejkernel_packing}",
                              "jax", ejkernel_build(s, with_compression=False), comparable=ejkernel_comparable,
                              jit=ejkernel_jits))
         specs.append(dense_causal)
@@ -448,7 +448,7 @@ def row_specs(case: str, s: Settings, seq_len: int) -> list[RowSpec]:
         # FLA's top-k always takes blocks 0, t//64 - 1 and t//64 (ours and ejkernel: t//64 only),
         # so its outputs differ from ours by design.
         specs.append(RowSpec("fla", "native", "FLA parallel_nsa(g_cmp), no window", "torch", comparable=False))
-        specs.append(RowSpec("ejkernel", "native", f"ejkernel nsa(g_cmp) ({'triton' if on_gpu else 'xla'}){eager}", "jax",
+        specs.append(RowSpec("ejkernel", "native", f"ejkernel nsa(g_cmp) ({'triton' if on_gpu else 'xla'}){ejkernel_packing}", "jax",
                              ejkernel_build(s, with_compression=True), comparable=ejkernel_comparable,
                              jit=ejkernel_jits))
         specs.append(dense_causal)
