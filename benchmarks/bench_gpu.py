@@ -405,7 +405,6 @@ class RowSpec:
     baseline: bool = False   # may be the row the case's ratios divide by
     memo: str | None = None  # rows with the same memo key and length are measured once
     work_case: str | None = None  # the case whose counted work this row does (None: its own)
-    jit: bool = True  # timed under jax.jit (False: called eagerly, op by op)
 
 
 def ours_label(platform: str) -> str:
@@ -422,21 +421,18 @@ def row_specs(case: str, s: Settings, seq_len: int) -> list[RowSpec]:
     dense_label = "cuDNN dense causal" if on_gpu else "dense causal (jax xla, cpu)"
     dense_causal = RowSpec("cudnn", "", dense_label, "jax", dense_build(s, None), comparable=case == "causal",
                            memo="dense causal", work_case="causal")
-    # On packed rows ejkernel's Triton path reads cu_seqlens on the host (a jnp.repeat of the lengths,
-    # before its own jit), so it cannot run under jax.jit: it is called eagerly, as its users must call
-    # it. Its XLA path (0.0.80.3) drops cu_seqlens without a word and attends across the sequences.
-    ejkernel_packed = s.documents > 1
-    ejkernel_jits = not (ejkernel_packed and on_gpu)
-    ejkernel_packing = "" if not ejkernel_packed else ", eager" if on_gpu else ", drops cu_seqlens"
-    ejkernel_comparable = on_gpu or not ejkernel_packed
+    # On packed rows ejkernel's (0.0.80.3) Triton path fails in its own code, under jax.jit and
+    # eagerly alike (benchmarks/README.md): its rows show the errors. Its XLA path drops cu_seqlens
+    # without a word and attends across the sequences.
+    ejkernel_drops_packing = s.documents > 1 and not on_gpu
+    ejkernel_packing = ", drops cu_seqlens" if ejkernel_drops_packing else ""
     specs = []
     if case == "selection":
         specs += [RowSpec(f"ours-{p}", "", ours_label(p), "jax", ours_selection_build(s, p), baseline=True)
                   for p in platforms]
         specs.append(RowSpec("fla", "", "FLA parallel_nsa", "torch"))
         specs.append(RowSpec("ejkernel", "", f"ejkernel native_sparse_attention ({'triton' if on_gpu else 'xla'}){ejkernel_packing}",
-                             "jax", ejkernel_build(s, with_compression=False), comparable=ejkernel_comparable,
-                             jit=ejkernel_jits))
+                             "jax", ejkernel_build(s, with_compression=False), comparable=not ejkernel_drops_packing))
         specs.append(dense_causal)
     elif case == "nsa":
         text = NSA_PATTERN.format(block=s.block, selected=s.selected, window=s.window)
@@ -449,8 +445,7 @@ def row_specs(case: str, s: Settings, seq_len: int) -> list[RowSpec]:
         # so its outputs differ from ours by design.
         specs.append(RowSpec("fla", "native", "FLA parallel_nsa(g_cmp), no window", "torch", comparable=False))
         specs.append(RowSpec("ejkernel", "native", f"ejkernel nsa(g_cmp) ({'triton' if on_gpu else 'xla'}){ejkernel_packing}", "jax",
-                             ejkernel_build(s, with_compression=True), comparable=ejkernel_comparable,
-                             jit=ejkernel_jits))
+                             ejkernel_build(s, with_compression=True), comparable=not ejkernel_drops_packing))
         specs.append(dense_causal)
     elif case == "window":
         text = WINDOW_PATTERN.format(block=s.block, window=s.window)
@@ -544,7 +539,7 @@ def ejkernel_build(s: Settings, with_compression: bool):
         # Importing ejkernel switches on JAX's persistent compilation cache: off, so first-call
         # times stay comparable between rows.
         jax.config.update("jax_enable_compilation_cache", False)
-        # Its type checks take a jax.Array; it reads it on the host, so these rows run eagerly (row_specs).
+        # Its type checks take a jax.Array (a numpy array is refused).
         cu_seqlens = None if x.cu_seqlens is None else jnp.asarray(x.cu_seqlens)
         if with_compression:
             def forward(q, k, v, g_cmp, g_slc):
@@ -581,12 +576,11 @@ def measure_jax(spec: RowSpec, x: Inputs, mode: str, timing: dict) -> tuple[dict
     import jax
 
     forward, extra = spec.build(x)
-    compiled = jax.jit if spec.jit else (lambda fn: fn)
     if mode == "fwd":
-        fn = compiled(forward)
+        fn = jax.jit(forward)
         args = (x.q, x.k, x.v, *extra)
     else:
-        fn = compiled(forward_backward_of(forward))
+        fn = jax.jit(forward_backward_of(forward))
         args = (x.q, x.k, x.v, x.do, *extra)
     result = measure(lambda: fn(*args), jax.block_until_ready, **timing)
     # The forward's sampled output; forward+backward's sampled dq (output[1][0]), so that a row
