@@ -133,6 +133,31 @@ def test_a_bad_cu_seqlens_is_shown_as_given():
         nsa_dsl.native_sparse_attention(*(args.get(n) for n in order))
 
 
+@pytest.mark.parametrize("platform", ["xla", "triton", "pallas"])
+@pytest.mark.parametrize(
+    "given, layout",
+    [([0, -30, 20, 48], [0, 0, 20, 48]), ([7, 30, 12, 60], [0, 30, 30, 48])],
+    ids=["negative", "not from 0, decreasing, past T"],
+)
+def test_an_invalid_traced_cu_seqlens_runs_as_the_valid_layout_nearest_it(rng, platform, given, layout):
+    """A jitted step's cu_seqlens cannot be checked: an invalid one is clipped to [0, T], starts at 0
+    and never decreases on device, so the kernels (NSA with g_cmp: compression, top-k, selection)
+    read nothing outside their arrays and give, forward and gradients, what that layout gives as
+    a concrete (checked) argument."""
+    q, k, v = qkv(rng, 1, 48, 4, 2, 16)
+    g_cmp, g_slc = gate(rng, 1, 48, 4), gate(rng, 1, 48, 4)
+    cfg = nsa_dsl.NativeSparseAttentionConfig(block_size=16)
+
+    def loss(q, k, v, cu_seqlens):
+        out = nsa_dsl.native_sparse_attention(q, k, v, g_cmp, g_slc, None, 2, cu_seqlens, platform=platform, cfg=cfg)
+        return jnp.sum(out * q), out
+
+    traced = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v, jnp.asarray(given, jnp.int32))
+    checked = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v, np.asarray(layout, np.int32))
+    for name, got, want in zip(("dq", "dk", "dv", "out"), (*traced[0], traced[1]), (*checked[0], checked[1])):
+        assert_close(got, want, 1e-6, name)
+
+
 def test_a_scoring_query_is_checked_where_no_top_k_reads_it(rng):
     attention = nsa_dsl.compile(EXAMPLES / "sliding_window.nsa")
     q, k, v = qkv(rng, 1, 40, 2, 1, 16)

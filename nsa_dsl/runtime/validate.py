@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from .layout import compressed_rows
 
@@ -281,7 +282,10 @@ def gates(given: Mapping[str, object], declared: tuple[str, ...], pattern: str, 
 
 
 def cu_seqlens(value: object, shapes: Shapes) -> jax.Array | None:
-    """int32 [N + 1] offsets of the sequences packed into the single batch row, or None."""
+    """int32 [N + 1] offsets of the sequences packed into the single batch row, or None. A
+    concrete one is checked; a traced one (a jitted step's argument) cannot be, and is made a
+    layout the kernels can take on device: clipped to [0, seq_len], its first 0, never decreasing
+    (a valid one unchanged), so that an invalid one makes no kernel read outside its arrays."""
     if value is None:
         return None
     cu = _index_array("cu_seqlens", value)
@@ -298,7 +302,8 @@ def cu_seqlens(value: object, shapes: Shapes) -> jax.Array | None:
                 f"cu_seqlens must start at 0, never decrease and end at most at seq_len={shapes.seq_len}, "
                 f"got {np.asarray(value).tolist()}"  # as given, not as clamped to int32
             )
-    return cu
+        return cu
+    return lax.cummax(jnp.clip(cu, 0, shapes.seq_len).at[0].set(0))
 
 
 def softmax_scale(value: object, shapes: Shapes) -> float | jax.Array:
