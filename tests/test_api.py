@@ -133,6 +133,19 @@ def test_a_bad_cu_seqlens_is_shown_as_given():
         nsa_dsl.native_sparse_attention(*(args.get(n) for n in order))
 
 
+def test_cu_seqlens_in_the_kernel_objects_softmax_scale_place_is_named():
+    """The kernel object keeps ejkernel's Kernel.run order (softmax_scale 8th, cu_seqlens 9th), the
+    function takes cu_seqlens 8th: a call moved from one to the other is told which argument it
+    passed where."""
+    args = [GOOD_CALL[name] for name in ("query", "key", "value")] + [None, None, GOOD_CALL["block_indices"], 2]
+    kernel = nsa_dsl.NativeSparseAttention(block_size=16)
+    with pytest.raises(ValueError, match=r"softmax_scale must be a real scalar.*cu_seqlens\? .* pass it as cu_seqlens="):
+        kernel(*args, np.array([0, 10, 32], np.int32), platform="xla")
+    with pytest.raises(ValueError, match=r"softmax_scale must be a real scalar") as error:
+        kernel(*args, np.ones(2, np.float32), platform="xla")
+    assert "cu_seqlens" not in str(error.value)  # a float array: no hint
+
+
 @pytest.mark.parametrize("platform", ["xla", "triton", "pallas"])
 @pytest.mark.parametrize(
     "given, layout",

@@ -316,7 +316,13 @@ def softmax_scale(value: object, shapes: Shapes) -> float | jax.Array:
         return float(value)
     scale = _array("softmax_scale", value)
     if scale.ndim != 0 or not (jnp.issubdtype(scale.dtype, jnp.floating) or jnp.issubdtype(scale.dtype, jnp.integer)):
-        raise ValueError(f"softmax_scale must be a real scalar, got shape {scale.shape} dtype {scale.dtype}")
+        hint = ""
+        if scale.ndim == 1 and jnp.issubdtype(scale.dtype, jnp.integer):
+            # The one argument order that differs: ejkernel's Kernel.run, which NativeSparseAttention keeps.
+            hint = (" (cu_seqlens? the NativeSparseAttention kernel object, as ejkernel's Kernel.run, takes"
+                    " softmax_scale 8th and cu_seqlens 9th, where native_sparse_attention takes cu_seqlens 8th:"
+                    " pass it as cu_seqlens=)")
+        raise ValueError(f"softmax_scale must be a real scalar, got shape {scale.shape} dtype {scale.dtype}{hint}")
     if _is_concrete(scale) and not np.isfinite(np.asarray(scale)):
         raise ValueError(f"softmax_scale must be finite, got {np.asarray(scale).item()!r}")
     return scale
