@@ -303,7 +303,8 @@ def cu_seqlens(value: object, shapes: Shapes) -> jax.Array | None:
                 f"got {np.asarray(value).tolist()}"  # as given, not as clamped to int32
             )
         return cu
-    return lax.cummax(jnp.clip(cu, 0, shapes.seq_len).at[0].set(0))
+    first = jnp.arange(cu.shape[0]) == 0  # not .at[0].set(0): a backward traces no scatter (tests)
+    return lax.cummax(jnp.where(first, 0, jnp.clip(cu, 0, shapes.seq_len)))
 
 
 def softmax_scale(value: object, shapes: Shapes) -> float | jax.Array:
