@@ -173,6 +173,20 @@ def test_pair_lists_are_the_selection_transposed(rng, monkeypatch, short_keys):
             assert list(zip(tokens[listed].tolist(), slots[listed].tolist())) == expected, (h, b)
 
 
+def test_longest_lists_first_orders_every_key_block_list_once(rng):
+    """Random list lengths (ties among them, empty lists) of 3 KV heads' pair lists: each key
+    block's list once, as head * blocks + block, by length descending, ties in id order; the lists
+    of entries naming no block (the last column) never."""
+    heads, num_blocks = 3, 7
+    lengths = rng.integers(0, 5, (heads, num_blocks + 1))
+    offsets = np.concatenate([np.zeros((heads, 1), np.int64), np.cumsum(lengths, axis=1)], axis=1)[:, :-1]
+    offsets += np.arange(heads)[:, None] * 1000  # a head's lists start where the one before ends
+    order = np.asarray(jax.jit(layout.longest_lists_first)(offsets.astype(np.int32)))
+    ids = [(h * num_blocks + b) for h in range(heads) for b in range(num_blocks)]
+    expected = sorted(ids, key=lambda i: (-lengths[i // num_blocks, i % num_blocks], i))
+    assert order.tolist() == expected
+
+
 @pytest.mark.parametrize(
     "queries, offsets, keys",
     [

@@ -264,8 +264,8 @@ def test_packed_sequences(rng, dtype, heads_q, head_dim):
 def test_one_program_loads_a_kv_groups_query_heads(rng, monkeypatch, heads_q, heads_kv):
     """Group-centric (the Triton issue): the forward's and dq's programs each take one token's G
     query heads of one KV head, sharing every K/V tile among them (grid: tokens x KV heads, whatever
-    G: 1, 3, 17), and dk/dv's programs one key block of one KV head; no launch runs a program per
-    query head. Traced, not run."""
+    G: 1, 3, 17), and dk/dv's programs one key block of one KV head (a program a list, for every
+    list of every KV head); no launch runs a program per query head. Traced, not run."""
     seq_len, block = 45, 16
     q, k, v = qkv(rng, 1, seq_len, heads_q, heads_kv, 32)
     indices = random_indices(rng, 1, seq_len, heads_kv, 3, block)
@@ -278,7 +278,7 @@ def test_one_program_loads_a_kv_groups_query_heads(rng, monkeypatch, heads_q, he
     token_kernels = ("selection_forward", "selection_backward_dq_from_scores")[:1 if heads_q == heads_kv else 2]
     for name in token_kernels:
         assert launches[name][:2] == (seq_len, heads_kv), (name, launches)
-    assert launches["selection_backward_dkdv"] == (-(-seq_len // block), heads_kv), launches
+    assert launches["selection_backward_dkdv"] == (-(-seq_len // block) * heads_kv,), launches
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="the interpreter's limit: a GPU runs bfloat16")

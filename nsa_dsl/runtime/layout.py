@@ -351,6 +351,20 @@ def selection_by_key_block(
     return PairLists(rows, offsets, row_entries if token_entries else None, segments)
 
 
+def longest_lists_first(offsets: jax.Array) -> jax.Array:
+    """[heads * B] int32: the key blocks' lists of PairLists.offsets [heads, B + 1] (the last
+    column's lists, of entries naming no block, left out) as head * B + block, the longest first
+    (ties by id). A kernel taking one list a program runs in this order so that no long list starts
+    last and runs alone: the lists' lengths vary ~50-fold (a block early in its sequence lies
+    before most of its tokens), and the long ones lie one or a few a head or sequence, where block
+    order would start the last head's or sequence's late. The selection's dk/dv in this order (H100,
+    forward + backward, session 73): 21.58 -> 20.17 ms at 32k on 16 packed documents, 46.19 -> 44.51
+    at 64k unpacked."""
+    lengths = (offsets[:, 1:] - offsets[:, :-1]).reshape(-1)
+    lists = jnp.arange(lengths.shape[0], dtype=jnp.int32)
+    return lax.sort((-lengths, lists), num_keys=1, is_stable=True)[1]
+
+
 class TransposedTable(NamedTuple):
     """A static branch's block table read by key block: row kb lists the query blocks whose
     table rows hold kb, ascending, with that entry's full flag and atom bits."""
