@@ -303,7 +303,7 @@ def cu_seqlens(value: object, shapes: Shapes) -> jax.Array | None:
                 f"got {np.asarray(value).tolist()}"  # as given, not as clamped to int32
             )
         return cu
-    first = jnp.arange(cu.shape[0]) == 0  # not .at[0].set(0): a backward traces no scatter (tests)
+    first = jnp.arange(cu.shape[0]) == 0  # not .at[0].set(0), a scatter: backwards trace none (test_backward_traces_no_scatter)
     return lax.cummax(jnp.where(first, 0, jnp.clip(cu, 0, shapes.seq_len)))
 
 
