@@ -255,7 +255,7 @@ def assert_close(actual, expected, tolerance: float, what: str = "", least: floa
 
 def assert_scale_gradient_close(actual, expected, q, d_q, scale, tolerance: float) -> None:
     """d loss / d softmax_scale against the reference's `expected`. The kernels return sum(q . dq) /
-    scale summed over dq stored in q's dtype (layout.scale_cotangent), and that sum cancels (its
+    scale summed over dq stored in q's dtype (layout.scale_gradients), and that sum cancels (its
     terms' magnitudes add up to ~30x the total at these shapes): besides `tolerance` relative to the
     value it may err by what storing dq rounds away, the dtype's unit roundoff times
     sum |q . d_q| / |scale| (d_q: the reference's). Where every d_q vanishes (each query sees one

@@ -67,15 +67,24 @@ def varying_shape(shape: jax.ShapeDtypeStruct, inputs) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape.shape, shape.dtype, **typed)
 
 
-def scale_cotangent(q, d_q, scale):
-    """d loss / d softmax_scale. Scores are scale * q.k, so it is sum(q . d_q) / scale where d_q
-    (which carries the factor scale) is the query cotangent; a zero scale gets zero. Inside
-    `jax.shard_map` each device holds its queries' part of the sum: the parts are added over
-    the mesh axes the queries vary over and the scale does not."""
+def dq_scale(scale):
+    """What the Triton and Pallas dq kernels multiply their float32 g = sum_j ds_ij k_j by before
+    they store dq: the softmax scale, and 1 where it is 0. Scores are scale * q.k, so dq = scale * g,
+    and d loss / d scale = sum(q . g), which scale_gradients reads back from the stored dq: at a
+    scale of 0 dq would hold nothing to read it from (dq itself is 0 there: scale_gradients
+    zeroes it). (Triton's kernels compute the same in their own dq_scale.)"""
+    return jnp.where(scale == 0, 1.0, scale)
+
+
+def scale_gradients(q, d_q, scale):
+    """(d_q, d loss / d softmax_scale) from the dq kernels' d_q = dq_scale(scale) * g: d_q, with
+    zeros where the scale is 0, and sum(q . g) in float32. A constant scale folds the select at
+    compile time. Inside `jax.shard_map` each device holds its queries' part of the sum: the
+    parts are added over the mesh axes the queries vary over and the scale does not."""
     total = jnp.sum(q.astype(jnp.float32) * d_q.astype(jnp.float32))
-    d_scale = jnp.where(scale != 0, total / jnp.where(scale != 0, scale, 1.0), 0.0)
+    d_scale = total / dq_scale(scale)
     shared = tuple(sorted(varying_axes(d_scale) - varying_axes(scale)))
-    return lax.psum(d_scale, shared) if shared else d_scale
+    return jnp.where(scale == 0, jnp.zeros((), d_q.dtype), d_q), lax.psum(d_scale, shared) if shared else d_scale
 
 
 class Rows(NamedTuple):
