@@ -1,6 +1,7 @@
 """What the Triton and Pallas backends share when their kernels run interpreted on the CPU:
 explicit selection with rows that see nothing (zeros, finite and zero gradients), a traced
-softmax scale with its own gradient, and being used only when asked for by name."""
+softmax scale with its own gradient (at a scale of 0 too, beside XLA), and being used only when
+asked for by name."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import pytest
 import nsa_dsl
 import reference
 from conftest import FORWARD_TOLERANCE, GRADIENT_TOLERANCE, assert_close, normal, qkv, random_indices
+from nsa_reference import NsaSpec, dense_operators
+from nsa_dsl.plan import plan as p
 from nsa_dsl.runtime import resolve_platform
 
 PLATFORMS = ["triton", "pallas"]
@@ -62,6 +65,72 @@ def test_traced_softmax_scale_and_its_gradient(rng, platform):
     assert abs(float(value) - float(want_value)) <= 1e-4 * abs(float(want_value))
     assert_close(dq, want_dq, GRADIENT_TOLERANCE, "dq")
     assert abs(float(d_scale) - float(want_d_scale)) <= 1e-4 * abs(float(want_d_scale))
+
+
+# A pattern of each kind of dq kernel beside explicit selection: a static window's (key ranges), a
+# static table's, and NSA's compression (its top-k takes every block, so that no tie of the scores
+# at scale 0 decides).
+ZERO_SCALE_PATTERNS = {
+    "window": "pattern zero_scale_window\nblock 16\ncausal\nbranch swa = window(24)\n",
+    "table": "pattern zero_scale_table\nblock 16\ncausal\nbranch b = local(1) | random(1, seed=3)\n",
+    "nsa": "pattern zero_scale_nsa\nblock 16\ncausal\nbranch cmp = compress(block=8, stride=4)\n"
+           "branch slc = topk(3, block=16, score=cmp)\nbranch swa = window(16)\n",
+}
+
+
+@pytest.mark.parametrize("kind", ["selection", *ZERO_SCALE_PATTERNS])
+@pytest.mark.parametrize("platform", ["xla", *PLATFORMS])
+def test_gradients_at_a_traced_softmax_scale_of_zero(rng, platform, kind):
+    """Scores are scale * q.k: at a scale of exactly 0 dq and dk vanish, d loss / d scale (the sum
+    over rows of q . sum_j ds_ij k_j) does not. Triton's and Pallas' dq kernels stored dq with the
+    scale in it, and d scale divided it out again: 0 where the float64 reference has 12 to 106.
+    Explicit selection in groups of 1: Triton sums the parts of dq in XLA; NSA's top-k in groups of
+    2: its dq kernel reads the stored score gradients."""
+    batch, seq_len, heads_q, heads_kv, head_dim = 1, 40, 2 if kind == "selection" else 4, 2, 16
+    q, k, v = qkv(rng, batch, seq_len, heads_q, heads_kv, head_dim)
+    d_out = normal(rng, *q.shape)
+    pooled = None
+    if kind == "selection":
+        indices = random_indices(rng, batch, seq_len, heads_kv, 2, 16)
+        masks = [reference.selection_mask(indices, 2, 16)]
+
+        def attention(q, k, v, scale):
+            return selection(platform, q, k, v, indices, 2, scale=scale)
+    else:
+        attn = nsa_dsl.compile(ZERO_SCALE_PATTERNS[kind])
+        masks = [reference.static_mask(b.static, 16, True, batch, seq_len)
+                 for b in attn.plan.branches if isinstance(b, p.StaticBranch)]
+        if kind == "nsa":  # every causally valid block of 16 selected: every key up to the query's
+            masks.append(np.tril(np.ones((batch, 1, seq_len, seq_len), bool)))
+            pooled = dense_operators(NsaSpec(compress_block=8, compress_stride=4, select_count=3, select_block=16),
+                                     batch, seq_len)
+
+        def attention(q, k, v, scale):
+            return attn(q, k, v, softmax_scale=scale, platform=platform)
+
+    def loss(q, k, v, scale):
+        return jnp.sum(attention(q, k, v, scale) * d_out)
+
+    value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(*map(jnp.asarray, (q, k, v)), jnp.float32(0))
+    with jax.enable_x64(True):
+
+        def reference_loss(q, k, v, scale):
+            out = sum(reference.attention(q, k, v, mask, scale, jnp) for mask in masks)
+            if pooled is not None:
+                pool, visible = pooled
+                k_cmp, v_cmp = (jnp.einsum("ct,bthd->bchd", pool, x) for x in (k, v))
+                out = out + reference.attention(q, k_cmp, v_cmp, visible, scale, jnp)
+            return jnp.sum(out * d_out)
+
+        inputs = (jnp.asarray(x, jnp.float64) for x in (q, k, v, 0.0))
+        want_value, wanted = jax.jit(jax.value_and_grad(reference_loss, argnums=(0, 1, 2, 3)))(*inputs)
+    assert abs(float(value) - float(want_value)) <= 1e-4 * abs(float(want_value))
+    dq, dk, dv, d_scale = grads
+    assert not np.any(wanted[0]) and not np.any(wanted[1])
+    assert not np.any(dq) and not np.any(dk), "dq and dk vanish at scale 0"
+    assert_close(dv, wanted[2], GRADIENT_TOLERANCE, "dv")
+    assert abs(float(d_scale) - float(wanted[3])) <= 1e-4 * abs(float(wanted[3])), (
+        f"d softmax_scale: {float(d_scale):.6g} against {float(wanted[3]):.6g}")
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
