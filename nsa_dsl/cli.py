@@ -23,7 +23,7 @@ import numpy as np
 
 from . import codegen, dsl
 from .api import check_pattern
-from .codegen.cache import write_atomically
+from .codegen.cache import holds_entry, write_atomically
 from .config import PLATFORMS
 from .dsl import model
 from .errors import NsaError
@@ -284,8 +284,9 @@ def _compile(args: argparse.Namespace, platforms: list[str]) -> int:
             except OSError as err:  # named by the module, not by the temporary file it was written to
                 raise OSError(err.errno, err.strerror, str(target)) from err
             entry = codegen.cache_path(platform, plan)
-            # A cache that could not take the entry has warned; its path then holds nothing.
-            cached = f"cached at {entry}" if entry.is_file() else f"not cached: {codegen.cache_root()} cannot take it"
+            # A cache that could not take the entry has warned; its path then holds nothing, or a damaged
+            # entry that it could not replace.
+            cached = f"cached at {entry}" if holds_entry(entry) else f"not cached: {codegen.cache_root()} cannot take it"
             _say(f"  {platform}: wrote {target} ({cached})")
             if args.check:
                 succeeded &= _check(plan, platform, args.seq_len)

@@ -381,6 +381,29 @@ def test_a_cache_that_cannot_take_the_entry_is_not_named_as_its_place(source_fil
     assert "cached at" not in printed
 
 
+def test_a_damaged_entry_the_cache_cannot_replace_is_not_named_as_its_place(source_file: Path, tmp_path: Path,
+                                                                              monkeypatch, capsys) -> None:
+    """A truncated or garbage entry in a cache that cannot take its replacement (read-only): the module
+    runs from memory and is written to -o, with the cache's warning; the summary said "cached at" the
+    damaged file, which holds no module."""
+    out = tmp_path / "out"
+    assert cli.main([str(source_file), "--pattern", "sliding", "-o", str(out)]) == 0
+    entry = codegen.cache_path("xla", lower(dsl.load_pattern(source_file, name="sliding")))
+    entry.write_text("garbage")
+
+    def read_only(path, data, mode=None):
+        raise OSError(30, "Read-only file system", str(path))
+
+    monkeypatch.setattr(cache, "write_atomically", read_only)
+    capsys.readouterr()
+    with pytest.warns(cache.CacheWarning, match="could not write"):
+        assert cli.main([str(source_file), "--pattern", "sliding", "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert f"  xla: wrote {out / 'sliding_xla.py'} (not cached: {codegen.cache_root()} cannot take it)" in printed
+    assert "cached at" not in printed
+    assert (out / "sliding_xla.py").read_text().startswith('"""Sparse attention for pattern `sliding`')
+
+
 def test_block_tables_too_large_for_memory_are_a_message_not_a_traceback(source_file: Path, tmp_path: Path,
                                                                          monkeypatch, capsys) -> None:
     """The summary builds each static branch's table at --seq-len, which any length up to 2**29 may ask

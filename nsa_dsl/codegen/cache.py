@@ -115,6 +115,12 @@ def _read_valid(module_path: Path) -> str | None:
         return None
 
 
+def holds_entry(module_path: Path) -> bool:
+    """Whether `module_path` holds a complete cache entry (its checksum matches), not a damaged
+    one that a cache which could not take the replacement left in place."""
+    return _read_valid(module_path) is not None
+
+
 def _version_text() -> Code:
     # Our own constant, not user input, but checked all the same: the render guard admits only
     # identifiers and numbers, and a version like "0.1.0" is neither.
