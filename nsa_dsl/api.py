@@ -105,7 +105,8 @@ class SparseAttention:
     def module_path(self, platform: str | None = None) -> Path:
         """The file in the on-disk cache that calls on `platform` (as for source()) import the
         generated module from, written now if it is not there yet (where the cache cannot be
-        written it does not exist: calls run the module from memory, with a CacheWarning)."""
+        written it does not exist, or holds a damaged entry the cache could not replace: calls run
+        the module from memory, with a CacheWarning)."""
         generated = self._generated(platform)
         codegen.source(*generated)
         return codegen.cache_path(*generated)
