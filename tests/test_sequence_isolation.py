@@ -1,17 +1,20 @@
-"""A non-finite key or value of one packed sequence reaches no other sequence of the call.
+"""A non-finite query, key, value or output gradient of one packed sequence reaches no other
+sequence of the call.
 
 Kernels load whole tiles and give the rows a query does not see zero weight, but 0 * inf is NaN:
 a tile that reaches past its sequence (into the next packed one, or the first rows, where a
 selection entry names no block) must zero what it does not see, in the forward and in the
-backward. Each case runs once on finite inputs and once with a NaN or an inf planted in one
-sequence's keys or values; every other sequence's outputs and its rows of dq, dk and dv must come
+backward (whose key-side kernels load tiles of query rows and their output gradients). Each case
+runs once on finite inputs and once with a NaN or an inf planted in one sequence's queries, keys,
+values or output gradient; every other sequence's outputs and its rows of dq, dk and dv must come
 out as they did. Three sequences cut off the block grid (and a block of 16 over 160 rows) so that
 tiles straddle their boundaries; the planted rows sit in the middle of the second sequence, on
-its last row, and on the third's first.
+its first and last rows, and on the third's first.
 
-Every platform's kernels isolate, the Pallas TPU variant's included (interpreted here), but for
-the Mosaic GPU kernels a Hopper runs for windows and `causal` in bfloat16/float16: on a GPU the
-compiled kernels run the same check in bfloat16, those expected to fail.
+Every platform's kernels isolate, the Pallas TPU variant's included (interpreted here). On a GPU
+the compiled kernels run the same check in bfloat16; there a Hopper's Mosaic GPU kernels for
+windows and `causal`, whose tiles span packed sequences, run only calls whose values are finite
+(test_triton_static.py checks that choice on the CPU).
 """
 
 from __future__ import annotations
@@ -44,10 +47,12 @@ class Packing(NamedTuple):
 
 
 CPU_PACKING = Packing(np.array([0, 37, 100, 160], np.int32), 16, 20, 4, 2, 16, np.float32,
-                      (("k", 60, np.nan), ("v", 99, np.inf), ("k", 100, -np.inf), ("v", 100, np.nan)))
+                      (("k", 60, np.nan), ("v", 99, np.inf), ("k", 100, -np.inf), ("v", 100, np.nan),
+                       ("q", 37, np.inf), ("d_out", 100, np.nan)))
 # The compiled kernels' tiles: blocks of 64, a 200-token window, the Hopper kernels' bf16 and head dim.
 GPU_PACKING = Packing(np.array([0, 370, 1000, 1600], np.int32), 64, 200, 16, 2, 64, jnp.bfloat16,
-                      (("k", 600, np.nan), ("v", 999, np.inf), ("k", 1000, -np.inf), ("v", 1000, np.nan)))
+                      (("k", 600, np.nan), ("v", 999, np.inf), ("k", 1000, -np.inf), ("v", 1000, np.nan),
+                       ("q", 370, np.inf), ("d_out", 1000, np.nan)))
 SCALE = 0.25
 
 
@@ -79,26 +84,32 @@ def assert_isolated(rng, case, platform, backend, packing, tolerance):
         rng, 1, int(cu_seqlens[-1]), packing.heads_q, packing.heads_kv, packing.head_dim))
     attention = attention_of(case, rng, platform, backend, packing)
     cotangent = rng.standard_normal(q.shape).astype(np.float32)
+
+    @jax.jit
+    def run(q, k, v, d_out):
+        out, pullback = jax.vjp(attention, q, k, v)
+        return (out, *pullback(d_out))
+
+    def of_others(sequence, results):
+        bounds = zip(cu_seqlens[:-1], cu_seqlens[1:])
+        others = np.concatenate([np.arange(a, b) for s, (a, b) in enumerate(bounds) if s != sequence])
+        return [np.asarray(x, np.float32)[0, others] for x in results]
+
+    def loss_weights(sequence):  # the loss reads the other sequences only
+        weights = cotangent.copy()
+        weights[:, cu_seqlens[sequence]:cu_seqlens[sequence + 1]] = 0.0
+        return jnp.asarray(weights, packing.dtype)
+
+    clean = {}
     for name, row, value in packing.planted:
         sequence = int(np.searchsorted(cu_seqlens, row, side="right")) - 1
-        others = np.concatenate([np.arange(a, b) for s, (a, b) in enumerate(zip(cu_seqlens[:-1], cu_seqlens[1:]))
-                                 if s != sequence])
-        weights = cotangent.copy()
-        weights[:, cu_seqlens[sequence]:cu_seqlens[sequence + 1]] = 0.0  # the loss reads the others only
-
-        @jax.jit
-        def run(q, k, v):
-            out, pullback = jax.vjp(attention, q, k, v)
-            return (out, *pullback(jnp.asarray(weights, q.dtype)))
-
-        def of_others(results):
-            return [np.asarray(x, np.float32)[0, others] for x in results]
-
-        clean = of_others(run(q, k, v))
-        planted = {"k": np.asarray(k, np.float32).copy(), "v": np.asarray(v, np.float32).copy()}
+        if sequence not in clean:
+            clean[sequence] = of_others(sequence, run(q, k, v, loss_weights(sequence)))
+        planted = {"q": q, "k": k, "v": v, "d_out": loss_weights(sequence)}
+        planted[name] = np.asarray(planted[name], np.float32).copy()
         planted[name][0, row, 1, 3] = value
-        poisoned = of_others(run(q, *(jnp.asarray(planted[x], packing.dtype) for x in ("k", "v"))))
-        for what, expected, actual in zip(("out", "dq", "dk", "dv"), clean, poisoned):
+        poisoned = of_others(sequence, run(*(jnp.asarray(planted[x], packing.dtype) for x in ("q", "k", "v", "d_out"))))
+        for what, expected, actual in zip(("out", "dq", "dk", "dv"), clean[sequence], poisoned):
             assert np.isfinite(actual).all(), f"{value} in {name} row {row}: {what} of other sequences not finite"
             np.testing.assert_allclose(actual, expected, rtol=tolerance, atol=tolerance,
                                        err_msg=f"{value} in {name} row {row}: {what} of other sequences")
@@ -110,23 +121,20 @@ CASES += [(case, "pallas", "tpu") for case in KINDS]
 
 
 @pytest.mark.parametrize("case, platform, backend", CASES)
-def test_a_non_finite_key_or_value_stays_in_its_sequence(rng, case, platform, backend):
+def test_a_non_finite_value_stays_in_its_sequence(rng, case, platform, backend):
     assert_isolated(rng, case, platform, backend, CPU_PACKING, 1e-6)
 
 
-def hopper_leak(case, platform):
-    """The Mosaic GPU window/causal kernels' tiles span packed sequences (README: "Keys and values
-    must be finite"): measured leaking on an H100 (session 71)."""
-    leaks = platform == "triton" and case in ("window", "causal") and triton_glue.on_hopper()
-    return pytest.mark.xfail(leaks, reason="Hopper's Mosaic GPU window/causal tiles span sequences", strict=True)
+def runs_on_hopper(case, platform):
+    """Whether the case's finite run takes the Mosaic GPU window/causal kernels, whose tiles span
+    packed sequences: a call with a non-finite value then runs in Triton's (hopper_unless_leaking),
+    so the two runs agree to bfloat16's rounding between two kernels rather than exactly."""
+    return platform == "triton" and case in ("window", "causal") and triton_glue.on_hopper()
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU: the compiled kernels in bfloat16")
-@pytest.mark.parametrize("case, platform", [
-    pytest.param(case, platform, marks=hopper_leak(case, platform))
-    for platform in ("triton", "pallas") for case in KINDS
-])
-def test_a_non_finite_key_or_value_stays_in_its_sequence_compiled(rng, case, platform):
+@pytest.mark.parametrize("case, platform", [(case, platform) for platform in ("triton", "pallas") for case in KINDS])
+def test_a_non_finite_value_stays_in_its_sequence_compiled(rng, case, platform):
     """The compiled kernels, in bfloat16 as the Hopper kernels take it: without atomics, the clean
-    and the poisoned runs agree exactly where they isolate."""
-    assert_isolated(rng, case, platform, None, GPU_PACKING, 0.0)
+    and the poisoned runs agree exactly where one kernel runs both."""
+    assert_isolated(rng, case, platform, None, GPU_PACKING, 2e-2 if runs_on_hopper(case, platform) else 0.0)
