@@ -44,6 +44,22 @@ def test_nothing_to_attend_gives_zeros_and_zero_gradients(rng, platform):
     assert_close(out, reference.forward(q, k, v, [mask], [None], 0.25), FORWARD_TOLERANCE, "output")
 
 
+@pytest.mark.parametrize("platform", ["xla", *PLATFORMS])
+def test_rows_that_see_nothing_have_zero_dq_whatever_their_output_gradient(rng, platform):
+    """Their output is a constant zero: a NaN or inf in its gradient (a padded row's, say) changes
+    no gradient, theirs included (Pallas' dq kernel multiplied it by their zero weights)."""
+    q, k, v = qkv(rng, 1, 37, 4, 2, 16)
+    indices = random_indices(rng, 1, 37, 2, 3, 16)
+    indices[0, 20:25] = -1
+    d_out = normal(rng, *q.shape)
+    _, pullback = jax.vjp(lambda q, k, v: selection(platform, q, k, v, indices, 3), q, k, v)
+    clean = pullback(jnp.asarray(d_out))
+    d_out[0, 20, 1, 3], d_out[0, 24, 3, 0] = np.nan, np.inf
+    for name, expected, actual in zip(("dq", "dk", "dv"), clean, pullback(jnp.asarray(d_out))):
+        np.testing.assert_array_equal(np.asarray(actual), np.asarray(expected), err_msg=name)
+    assert np.all(np.asarray(clean[0])[0, 20:25] == 0.0)
+
+
 @pytest.mark.parametrize("platform", PLATFORMS)
 def test_traced_softmax_scale_and_its_gradient(rng, platform):
     q, k, v = qkv(rng, 1, 33, 3, 1, 16)
