@@ -898,14 +898,31 @@ def ranked_in_numpy(mass, seq_len, block, count):
     return chosen
 
 
-@pytest.mark.parametrize("kind, splits", [
-    ("independent", 1), ("drifting", 1), ("best run", 1), ("tied", 1),
+def mass_of_kind(rng, kind, shape, run_starts, count):
+    """A given mass [rows, width] for one KV head: independent, drifting (neighbouring blocks
+    alike), a best run (each row's best blocks in a run longer than its picks, starting below
+    run_starts) or tied (every candidate of a tile reaches the threshold: its shortlists overflow)."""
+    if kind == "independent":
+        return rng.random(shape)
+    if kind == "drifting":
+        return np.exp(np.cumsum(rng.standard_normal(shape) * 0.5, axis=-1) - 20.0)
+    if kind == "best run":
+        mass = rng.random(shape) * 0.1
+        run = rng.integers(0, run_starts, shape[:1])[:, None] + np.arange(count + 2)
+        np.put_along_axis(mass, run, 1.0 + rng.random((shape[0], count + 2)), axis=1)
+        return mass
+    return rng.choice(np.array([0.25, 0.5, 1.0]), shape)
+
+
+# Each KV head's mass has its own kind (a tile is one head's rows, so each ranks as if alone).
+@pytest.mark.parametrize("kinds, splits", [
+    (("independent", "drifting"), 1), (("best run", "tied"), 1),
     # Split top-k walks (split_walks) of 336 tokens: 21 blocks in shares of 16 and 5 (a row before block 19:
     # fewer candidates in the second than picks), merged; ties across shares go to the lower id, as
     # within one; a row's run of best blocks in one share, or across both.
-    ("tied", 2), ("best run", 2),
-])
-def test_topk_shortlists_rank_a_given_mass(request, rng, monkeypatch, kind, splits):
+    (("tied", "best run"), 2),
+], ids=lambda value: "+".join(value) if isinstance(value, tuple) else str(value))
+def test_topk_shortlists_rank_a_given_mass(request, rng, monkeypatch, kinds, splits):
     """topk_selection ranks a given mass (hopper_group_mass's, which CI cannot run) from each row's
     shortlist of the candidates at or above its threshold, and a tile whose shortlists overflow (tied
     masses: every candidate reaches the threshold) by its chunk networks; both against numpy, over
@@ -921,17 +938,8 @@ def test_topk_shortlists_rank_a_given_mass(request, rng, monkeypatch, kind, spli
     spec = module.TopK(count, block, 1, module.Compression(block, block, heads_kv, group, head_dim, 0, seq_len), True)
     tokens = module.hopper_mass_tokens(spec)
     shape = (heads_kv, -(-seq_len // tokens) * tokens, mass_width(spec.compression))
-    if kind == "independent":
-        mass = rng.random(shape)
-    elif kind == "drifting":  # neighbouring blocks alike
-        mass = np.exp(np.cumsum(rng.standard_normal(shape) * 0.5, axis=-1) - 20.0)
-    elif kind == "best run":  # each row's best blocks in a run longer than its picks
-        mass = rng.random(shape) * 0.1
-        run = rng.integers(0, 40 if splits == 1 else 20, shape[:2])[..., None] + np.arange(count + 2)
-        np.put_along_axis(mass, run, 1.0 + rng.random((*shape[:2], count + 2)), axis=2)
-    else:
-        mass = rng.choice(np.array([0.25, 0.5, 1.0], np.float32), shape)
-    mass = mass.astype(np.float32)
+    mass = np.stack([mass_of_kind(rng, kind, shape[1:], 40 if splits == 1 else 20, count)
+                     for kind in kinds]).astype(np.float32)
     seen = np.arange(shape[2]) < ((np.arange(shape[1]) + 1) // block)[:, None]  # [rows, keys]
     chunk = spec.tiles(1, ranking_only=True)["CHUNK"]  # the maxima's columns: two chunks a step
     maxima = column_maxima_in_numpy(np.where(seen, mass, np.nan), 2 * chunk).astype(np.float32)
