@@ -165,7 +165,8 @@ def test_vmap_on_triton_launches_each_kernel_as_often_for_any_mapped_size(rng, m
         )
 
     def loss(q, k, g_slc, indices):
-        return (output(q, k, g_slc, indices) * weights).sum() + (output(q, k, g_slc, indices) ** 2).sum()
+        out = output(q, k, g_slc, indices)
+        return (out * weights).sum() + (out**2).sum()
 
     def launched(function, *arguments):
         launches.clear()
@@ -180,22 +181,18 @@ def test_vmap_on_triton_launches_each_kernel_as_often_for_any_mapped_size(rng, m
             lambda *a: jax.vmap(loss, in_axes=(0, None, 0, 0))(*a).sum(), argnums=(0, 1, 2)
         ),
     }
+    q = jnp.asarray(np.stack([qkv(rng, 1, seq_len, heads_q, heads_kv, dim)[0] for _ in range(3)]))
+    g_slc = jnp.asarray(np.stack([gate(rng, 1, seq_len, heads_q) for _ in range(3)]))
+    indices = jnp.asarray(np.stack([random_indices(rng, 1, seq_len, heads_kv, 3, block) for _ in range(3)]), jnp.int32)
+    elements = [(q[i], k, g_slc[i], indices[i]) for i in range(3)]
+    one_by_one = [output(*e) for e in elements], [gradients(*e) for e in elements]
     launch_counts = {}
-    for size in (2, 3):
-        q = jnp.asarray(np.stack([qkv(rng, 1, seq_len, heads_q, heads_kv, dim)[0] for _ in range(size)]))
-        g_slc = jnp.asarray(np.stack([gate(rng, 1, seq_len, heads_q) for _ in range(size)]))
-        indices = jnp.asarray(
-            np.stack([random_indices(rng, 1, seq_len, heads_kv, 3, block) for _ in range(size)]), jnp.int32
-        )
-        elements = [(q[i], k, g_slc[i], indices[i]) for i in range(size)]
-        expected = {
-            "vmap": np.stack([output(*e) for e in elements]),
-            "vmap of grad": [np.stack(d) for d in zip(*(gradients(*e) for e in elements))],
-        }
-        d_q, d_k, d_g_slc = expected["vmap of grad"]
-        expected["grad of vmap"] = [d_q, d_k.sum(0), d_g_slc]  # k is shared: its gradients add up
+    for size in (2, 3):  # the first two elements, then all three
+        d_q, d_k, d_g_slc = (np.stack(d) for d in zip(*one_by_one[1][:size]))
+        expected = {"vmap": np.stack(one_by_one[0][:size]), "vmap of grad": [d_q, d_k, d_g_slc],
+                    "grad of vmap": [d_q, d_k.sum(0), d_g_slc]}  # k is shared: its gradients add up
         for name, transformed in transformations.items():
-            got, launch_counts[name, size] = launched(transformed, q, k, g_slc, indices)
+            got, launch_counts[name, size] = launched(transformed, q[:size], k, g_slc[:size], indices[:size])
             for what, actual, wanted in zip(("q", "k", "g_slc"), jax.tree.leaves(got), jax.tree.leaves(expected[name])):
                 assert_close(actual, wanted, 1e-5, f"{name}, d/d{what}" if name != "vmap" else name)
     if not triton_glue.on_gpu():  # the interpreter's launches: jax-triton's are not counted
