@@ -107,8 +107,8 @@ def assert_isolated(rng, case, platform, backend, packing, tolerance):
         by_sequence.setdefault(int(np.searchsorted(cu_seqlens, row, side="right")) - 1, []).append((name, row, value))
     for sequence, plants in by_sequence.items():
         clean = of_others(sequence, run(q, k, v, loss_weights(sequence)))
-        planted = {"q": q, "k": k, "v": v, "d_out": loss_weights(sequence)}
-        planted = {name: np.asarray(x, np.float32).copy() for name, x in planted.items()}
+        planted = {name: np.array(x, np.float32) for name, x in
+                   (("q", q), ("k", k), ("v", v), ("d_out", loss_weights(sequence)))}
         for name, row, value in plants:
             planted[name][0, row, 1, 3] = value
         poisoned = of_others(sequence, run(*(jnp.asarray(planted[x], packing.dtype) for x in ("q", "k", "v", "d_out"))))
