@@ -108,8 +108,10 @@ def mosaic_gpu_interpreter(monkeypatch):
     interpreter, with its race detector: it simulates the warpgroups, their barriers and TMA copies
     (the generic and the async proxies apart), and it rejects a barrier left with completed phases
     its waiters never saw. A race it reports (logged) fails the test. Persistent kernels get 2 CTAs.
-    jax 0.10's interpreter fails on plgpu.load (an assertion in its abstract evaluation), so the
-    fixture skips there; jax 0.11 runs it."""
+    The kernels run on the CPU device even where a GPU is the default: there the interpreter's
+    callbacks went to the GPU and three small kernels ran past 500 s (sessions 46 and 78), where
+    the CPU takes 26 s. jax 0.10's interpreter fails on plgpu.load (an assertion in its abstract
+    evaluation), so the fixture skips there; jax 0.11 runs it."""
     pytest.importorskip("absl")  # Mosaic GPU's lowering logs through absl
     if jax.__version_info__ < (0, 11):
         pytest.skip("Mosaic GPU's interpreter runs these kernels from jax 0.11 on")
@@ -123,7 +125,8 @@ def mosaic_gpu_interpreter(monkeypatch):
 
     @contextlib.contextmanager
     def interpreted():
-        with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=True)):
+        with (jax.default_device(jax.devices("cpu")[0]),
+              plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=True))):
             yield
         assert not interpreter.get_races().races_found, "Mosaic GPU's interpreter found a race (logged above)"
 
