@@ -1,4 +1,4 @@
-"""The caching ptxas wrapper (nsa_dsl/runtime/ptxas_cache.py and ptxas_shim.sh).
+"""The caching ptxas wrapper (nsa_dsl/runtime/ptxas_cache.py and bin/ptxas).
 
 A stand-in ptxas (a shell script that logs each run and writes a binary derived from its input
 and options) shows which calls reach the real compiler; the ptxas in the triton wheel, on a
@@ -7,7 +7,6 @@ hand-written PTX kernel, shows the wrapper passes real compilations through byte
 from __future__ import annotations
 
 import os
-import shlex
 import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
@@ -40,7 +39,8 @@ def install_before(path_entry: str, tmp_path: Path, monkeypatch) -> Path | None:
     """ptxas_cache.install() in a process whose PATH starts with `path_entry` and whose cache is tmp_path/cache."""
     monkeypatch.setenv("PATH", f"{path_entry}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("NSA_DSL_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.delenv("NSA_DSL_PTXAS_CACHE", raising=False)
+    for name in ("NSA_DSL_PTXAS_CACHE", ptxas_cache.REAL_VARIABLE, ptxas_cache.STORE_VARIABLE):
+        monkeypatch.delenv(name, raising=False)  # restored after the test, whatever install sets
     ptxas_cache.install.cache_clear()
     installed = ptxas_cache.install()
     ptxas_cache.install.cache_clear()
@@ -54,6 +54,10 @@ def wrapper(tmp_path, monkeypatch):
     installed = install_before(str(real_dir), tmp_path, monkeypatch)
     assert installed is not None
     return installed, real_dir
+
+
+def store() -> Path:
+    return Path(os.environ[ptxas_cache.STORE_VARIABLE])
 
 
 def runs(real_dir: Path) -> int:
@@ -111,8 +115,7 @@ def test_a_damaged_entry_is_compiled_again(wrapper, tmp_path, rng, damage):
     installed, real_dir = wrapper
     source = ptx_file(tmp_path, rng)
     compile_ptx(installed, source, tmp_path / "first.cubin")
-    store = installed.parents[1] / "binaries"
-    (binary,) = store.glob("*.cubin")
+    (binary,) = store().glob("*.cubin")
     if damage == "binary edited":
         data = bytearray(binary.read_bytes())
         data[len(data) // 2] ^= 1
@@ -138,7 +141,7 @@ def test_a_failed_compilation_is_reported_and_not_stored(wrapper, tmp_path, rng)
         failed = compile_ptx(installed, source, tmp_path / "out.cubin")
         assert failed.returncode == 255 and "syntax error" in failed.stderr
     assert runs(real_dir) == 2
-    assert not list((installed.parents[1] / "binaries").iterdir())  # no entry, no partial files
+    assert not list(store().iterdir())  # no entry, no partial files
 
 
 @pytest.mark.parametrize(
@@ -153,12 +156,13 @@ def test_calls_it_cannot_key_go_straight_through(wrapper, tmp_path, arguments):
     subprocess.run([str(installed), *arguments], cwd=tmp_path, capture_output=True, timeout=60)
     subprocess.run([str(installed), *arguments], cwd=tmp_path, capture_output=True, timeout=60)
     assert runs(real_dir) == 2
-    assert not (installed.parents[1] / "binaries").exists()
+    assert not store().exists()
 
 
 def test_an_unwritable_store_still_compiles(wrapper, tmp_path, rng):
     installed, real_dir = wrapper
-    (installed.parents[1] / "binaries").write_text("a file where the store's directory should be")
+    store().parent.mkdir(parents=True)
+    store().write_text("a file where the store's directory should be")
     source = ptx_file(tmp_path, rng)
     for name in ("a", "b"):
         done = compile_ptx(installed, source, tmp_path / f"{name}.cubin")
@@ -175,8 +179,7 @@ def test_racing_compilations_leave_one_valid_entry(wrapper, tmp_path, rng):
     expected = compile_ptx(real_dir / "ptxas", source, tmp_path / "direct.cubin")
     assert all(d.returncode == 0 for d in done) and expected.returncode == 0
     assert all((tmp_path / f"{n}.cubin").read_bytes() == (tmp_path / "direct.cubin").read_bytes() for n in range(16))
-    store = installed.parents[1] / "binaries"
-    assert len(list(store.glob("*.sha256"))) == 1 and not list(store.glob(".*"))  # no partial files left
+    assert len(list(store().glob("*.sha256"))) == 1 and not list(store().glob(".*"))  # no partial files left
     before = runs(real_dir)
     compile_ptx(installed, source, tmp_path / "after.cubin")
     assert runs(real_dir) == before
@@ -185,8 +188,8 @@ def test_racing_compilations_leave_one_valid_entry(wrapper, tmp_path, rng):
 def test_a_ptxas_found_through_a_relative_path_entry_is_named_absolutely(tmp_path, monkeypatch):
     stand_in_ptxas(tmp_path / "cuda" / "bin")
     monkeypatch.chdir(tmp_path)
-    installed = install_before("cuda/bin", tmp_path, monkeypatch)
-    assert f"real={shlex.quote(str(tmp_path / 'cuda' / 'bin' / 'ptxas'))}\n" in installed.read_text()
+    assert install_before("cuda/bin", tmp_path, monkeypatch) is not None
+    assert os.environ[ptxas_cache.REAL_VARIABLE] == str(tmp_path / "cuda" / "bin" / "ptxas")
 
 
 @pytest.mark.parametrize("reason", ["switched off", "no ptxas on PATH"])
@@ -209,12 +212,41 @@ def test_a_process_with_another_cache_directory_puts_its_own_wrapper_first(wrapp
     # A child process inherits PATH with its parent's wrapper; with a cache directory of its own it
     # must neither use the parent's store nor wrap the parent's wrapper.
     parent_wrapper, real_dir = wrapper
+    parent_store = store()
     monkeypatch.setenv("NSA_DSL_CACHE_DIR", str(tmp_path / "child-cache"))
     child_wrapper = ptxas_cache.install()
     ptxas_cache.install.cache_clear()
     entries = os.environ["PATH"].split(os.pathsep)
-    assert entries[0] == str(child_wrapper.parent) and str(parent_wrapper.parent) not in entries
-    assert f"real={shlex.quote(str(real_dir / 'ptxas'))}\n" in child_wrapper.read_text()
+    assert entries[0] == str(child_wrapper.parent) and entries.count(str(parent_wrapper.parent)) == 1
+    assert os.environ[ptxas_cache.REAL_VARIABLE] == str(real_dir / "ptxas")
+    assert store().is_relative_to(tmp_path / "child-cache") and not parent_store.is_relative_to(tmp_path / "child-cache")
+
+
+def test_deleting_the_cache_directory_under_a_process_keeps_its_ptxas(wrapper, tmp_path, rng):
+    """XLA keeps the ptxas it found for the whole process: a wrapper stored in the cache directory
+    went with it, and every later GPU compilation failed ("Failed to launch ptxas")."""
+    installed, real_dir = wrapper
+    source = ptx_file(tmp_path, rng)
+    compile_ptx(installed, source, tmp_path / "first.cubin")
+    shutil.rmtree(tmp_path / "cache")
+    again = compile_ptx(installed, source, tmp_path / "again.cubin")
+    assert again.returncode == 0 and runs(real_dir) == 2
+    assert (tmp_path / "again.cubin").read_bytes() == (tmp_path / "first.cubin").read_bytes()
+    compile_ptx(installed, source, tmp_path / "third.cubin")  # the store was made again
+    assert runs(real_dir) == 2
+
+
+def test_a_child_given_path_alone_reaches_the_real_ptxas(wrapper, tmp_path, rng):
+    installed, real_dir = wrapper
+    env = {"PATH": os.environ["PATH"]}  # a launcher that passes PATH on, not nsa_dsl's variables
+    version = subprocess.run(["ptxas", "--version"], env=env, capture_output=True, text=True, timeout=60)
+    assert version.stdout == "stand-in ptxas 1.0\n" and runs(real_dir) == 1
+    source = ptx_file(tmp_path, rng)
+    for name in ("a", "b"):
+        done = subprocess.run([str(installed), str(source), "-o", str(tmp_path / f"{name}.cubin"), "-arch=sm_90a"],
+                              env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0 and (tmp_path / f"{name}.cubin").read_bytes().endswith(source.read_bytes())
+    assert runs(real_dir) == 3  # no store without the variables: each call compiles
 
 
 REAL_PTX = """\

@@ -49,6 +49,8 @@ def test_installed_wheel_compiles_an_example(tmp_path: Path) -> None:
         str(Path(purelib, "nsa_dsl", "_grammars", "nsa.lark")),
     ]
     assert Path(shipped[0], "xla", "module.py.j2").is_file()
+    # The caching ptxas wrapper runs from the package (runtime/ptxas_cache.py): executable as installed.
+    assert os.access(Path(purelib, "nsa_dsl", "runtime", "bin", "ptxas"), os.X_OK)
 
     output = run(
         [venv / "bin" / "nsa-compile", ROOT / "examples" / "longformer.nsa", "-o", "out"],
