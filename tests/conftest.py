@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import zlib
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -24,6 +25,17 @@ if jax.__version_info__ < (0, 11):  # jaxlib 0.11 aborts on this flag (removed)
     _FAST_COMPILE += " --xla_cpu_use_fusion_emitters=false"
     AS_USERS_COMPILE["xla_cpu_use_fusion_emitters"] = True
 os.environ["XLA_FLAGS"] = f"{_FAST_COMPILE} {os.environ.get('XLA_FLAGS', '')}".strip()
+
+CHECKOUT = Path(__file__).resolve().parents[1]
+
+
+def child_env(**variables: str) -> dict[str, str]:
+    """The environment of a new interpreter that imports this checkout's nsa_dsl: this one's, the
+    checkout first on PYTHONPATH and the entries already there after it (the GPU machine's packages
+    live on PYTHONPATH), with `variables` set."""
+    paths = [str(CHECKOUT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths), **variables}
+
 
 # float32 kernels against the float64 reference: accumulation error only.
 FORWARD_TOLERANCE = 2e-5

@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import jax
 import numpy as np
 import pytest
-from conftest import FORWARD_TOLERANCE, assert_close, gate, qkv, random_indices
+from conftest import FORWARD_TOLERANCE, assert_close, child_env, gate, qkv, random_indices
 
 import nsa_dsl
 from nsa_dsl import autotune, kernel
@@ -31,7 +31,6 @@ from nsa_dsl.config import NativeSparseAttentionConfig as Config
 from nsa_dsl.runtime import platform
 
 BLOCK = 16
-REPO = Path(__file__).resolve().parent.parent
 
 
 def call_arguments(rng, seq_len=40, heads_q=4, heads_kv=2, head_dim=16, width=3):
@@ -42,6 +41,8 @@ def call_arguments(rng, seq_len=40, heads_q=4, heads_kv=2, head_dim=16, width=3)
 @pytest.fixture(scope="module")
 def tuned(tmp_path_factory):
     """One tuning of two XLA candidates, in a cache of this module's own."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("tunes the CPU's XLA candidates (test_tuning_on_a_gpu_at_a_real_size tunes a GPU's)")
     patch = pytest.MonkeyPatch()
     patch.setenv("NSA_DSL_CACHE_DIR", str(tmp_path_factory.mktemp("autotune_cache")))
     patch.delenv("NSA_DSL_AUTOTUNE", raising=False)
@@ -478,14 +479,14 @@ WRITER = textwrap.dedent("""
 def test_concurrent_writers_leave_one_valid_entry(tmp_path):
     path = tmp_path / "autotune" / "ab" / ("ab" + "0" * 62 + ".json")
     go = tmp_path / "go"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
     writers = [
-        subprocess.Popen([sys.executable, "-c", WRITER, str(path), name, str(tmp_path / f"ready_{name}"), str(go)], env=env)
+        subprocess.Popen([sys.executable, "-c", WRITER, str(path), name, str(tmp_path / f"ready_{name}"), str(go)],
+                         env=child_env())
         for name in ("a", "b")
     ]
     deadline = time.monotonic() + 60
     while not all((tmp_path / f"ready_{name}").exists() for name in ("a", "b")):
-        assert time.monotonic() < deadline, "writers did not start"
+        assert time.monotonic() < deadline and all(w.poll() is None for w in writers), "writers did not start"
         time.sleep(0.01)
     go.touch()
     reads = 0

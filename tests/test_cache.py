@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import child_env
 
 from nsa_dsl import dsl
 from nsa_dsl.codegen import cache
@@ -269,9 +270,7 @@ def test_real_xla_module_is_cached_and_imported(tmp_path: Path, monkeypatch) -> 
 
 def fresh_process_env(cache: Path, jax_cache: str = "1") -> dict[str, str]:
     """The environment of a new interpreter that imports this checkout's nsa_dsl with its caches in `cache`."""
-    checkout = str(Path(__file__).resolve().parent.parent)
-    return {**os.environ, "NSA_DSL_CACHE_DIR": str(cache), "NSA_DSL_JAX_CACHE": jax_cache,
-            "PYTHONPATH": os.pathsep.join([checkout, os.environ.get("PYTHONPATH", "")])}
+    return child_env(NSA_DSL_CACHE_DIR=str(cache), NSA_DSL_JAX_CACHE=jax_cache)
 
 
 def test_compiled_executables_persist_for_the_next_process(tmp_path):

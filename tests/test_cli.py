@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import child_env
 
 import nsa_dsl
 from nsa_dsl import cli, codegen, dsl
@@ -49,10 +49,8 @@ def source_file(tmp_path: Path) -> Path:
 
 def run_cli(*args: str | Path, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     """nsa-compile in a fresh interpreter, as a user runs it."""
-    paths = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
     command = [sys.executable, "-m", "nsa_dsl.cli", *map(str, args)]
-    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=cwd)
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=child_env(), cwd=cwd)
 
 
 def test_writes_one_module_per_pattern_and_prints_the_summary(source_file: Path, tmp_path: Path, capsys) -> None:
@@ -340,8 +338,8 @@ def test_a_reader_that_stops_reading_stops_the_output_not_the_writing(tmp_path: 
     """`nsa-compile ... | head -1`: the summary's next line met a closed pipe and ended the command
     (exit 1, "Broken pipe") before it wrote the modules."""
     command = [sys.executable, "-m", "nsa_dsl.cli", "examples/longformer.nsa", "-o", str(tmp_path / "out")]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=ROOT)
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               env=child_env(PYTHONUNBUFFERED="1"), cwd=ROOT)
     process.stdout.close()  # before the first line: as `head -0` would, so every line meets a closed pipe
     _, err = process.communicate(timeout=300)
     assert process.returncode == 0, err.decode()
@@ -437,11 +435,9 @@ def test_a_write_that_fails_midway_leaves_the_earlier_module_whole(source_file: 
         "from nsa_dsl.cli import main\n"
         "sys.exit(main(sys.argv[1:]))\n"
     )
-    paths = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     failed = subprocess.run(
         [sys.executable, "-c", disk_full, str(source_file), "--pattern", "sliding", "-o", str(out)],
-        capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=os.pathsep.join(paths)),
-        check=False,
+        capture_output=True, text=True, timeout=300, env=child_env(), check=False,
     )
     assert failed.returncode == 1 and failed.stderr.endswith(f"nsa-compile: File too large: {module}\n")
     assert module.read_bytes() == earlier

@@ -56,7 +56,8 @@ def test_rows_that_see_nothing_have_zero_dq_whatever_their_output_gradient(rng, 
     clean = pullback(jnp.asarray(d_out))
     d_out[0, 20, 1, 3], d_out[0, 24, 3, 0] = np.nan, np.inf
     for name, expected, actual in zip(("dq", "dk", "dv"), clean, pullback(jnp.asarray(d_out))):
-        np.testing.assert_array_equal(np.asarray(actual), np.asarray(expected), err_msg=name)
+        # Not bit for bit: on a GPU, XLA's dk/dv scatter-add sums in no fixed order.
+        np.testing.assert_allclose(np.asarray(actual), np.asarray(expected), rtol=1e-6, atol=1e-7, err_msg=name)
     assert np.all(np.asarray(clean[0])[0, 20:25] == 0.0)
 
 
@@ -149,9 +150,9 @@ def test_gradients_at_a_traced_softmax_scale_of_zero(rng, platform, kind):
         f"d softmax_scale: {float(d_scale):.6g} against {float(wanted[3]):.6g}")
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the automatic choice on a CPU")
 @pytest.mark.parametrize("platform", PLATFORMS)
 def test_runs_on_cpu_only_when_asked_for(platform):
-    assert jax.default_backend() == "cpu"
     assert resolve_platform(platform) == platform
     assert resolve_platform(None) == "xla"  # interpreters are for tests, never picked by themselves
 

@@ -20,6 +20,10 @@ from nsa_dsl import codegen, kernel
 from nsa_dsl.config import NativeSparseAttentionConfig as Config
 
 BLOCK = 16
+# jax's device as Kernel.candidate_cfgs names it, and the platform an automatic choice takes there
+# (Triton on a GPU: the GPU machine has jax-triton).
+DEVICE = {"gpu": "gpu", "tpu": "tpu"}.get(jax.default_backend(), "xla")
+AUTOMATIC = {"gpu": "triton", "tpu": "pallas", "xla": "xla"}[DEVICE]
 
 
 def inputs(rng, seq_len=40, heads_q=4, heads_kv=2, head_dim=16, width=3):
@@ -79,8 +83,8 @@ def test_registry_is_keyed_by_platform_and_backend_and_names_what_is_available()
 
     nsa = nsa_dsl.NativeSparseAttention()
     assert nsa.get_impl(Config(platform="xla")).keywords == {"platform": "xla"}
-    assert nsa.get_impl(Config()).keywords == {"platform": "xla"}  # automatic, on this CPU
-    assert nsa.get_impl(Config(platform="triton")).keywords == {"platform": "triton"}  # its interpreter, asked for
+    assert nsa.get_impl(Config()).keywords == {"platform": AUTOMATIC}
+    assert nsa.get_impl(Config(platform="triton")).keywords == {"platform": "triton"}  # on a CPU its interpreter
     with pytest.raises(ValueError, match=r"platform='triton' is not available: it needs a GPU .* available: pallas, xla"):
         nsa.get_impl(Config(platform="triton", backend="tpu"))
 
@@ -105,8 +109,8 @@ def test_a_kernel_registered_by_a_user_is_found_and_called(rng):
 def test_automatic_platform_and_platforms_that_cannot_run(rng):
     nsa = nsa_dsl.NativeSparseAttention(block_size=BLOCK)
     q, k, v, indices = inputs(rng)
-    assert nsa.heuristic_cfg(nsa.invocation(q, k, v, None, None, indices, 3)).platform == "xla"  # a CPU
-    assert nsa.heuristic_cfg(nsa.invocation(q, k, v, None, None, indices, 3, None, None, "auto")).platform == "xla"
+    assert nsa.heuristic_cfg(nsa.invocation(q, k, v, None, None, indices, 3)).platform == AUTOMATIC
+    assert nsa.heuristic_cfg(nsa.invocation(q, k, v, None, None, indices, 3, None, None, "auto")).platform == AUTOMATIC
     assert nsa.heuristic_cfg(nsa.invocation(q, k, v, None, None, indices, 3, None, None, "triton")).platform == "triton"
     with pytest.raises(ValueError, match="platform must be one of xla, triton, pallas"):
         nsa(q, k, v, None, None, indices, 3, None, None, "cuda")
@@ -240,9 +244,9 @@ def test_candidates_per_platform(rng):
     assert {(c.block_q, c.block_k) for c in topk[1:]} == {(t, None) for t in (32, 64, 128)} and len(topk) == 19
     # The Pallas kernels read no tile size yet: the TPU's 64/128 tiles are the heuristic all the same.
     assert nsa.candidate_cfgs_tpu(invocation("pallas")) == [nsa.heuristic_cfg(invocation("pallas"))]
-    xla = nsa.candidate_cfgs_xla(invocation(None))
+    xla = nsa.candidate_cfgs_xla(invocation("xla"))
     assert [c.chunk_bytes for c in xla] == [None, 4 << 20, 64 << 20] and {c.platform for c in xla} == {"xla"}
-    assert nsa.candidate_cfgs(invocation(None)) == xla  # this CPU: the XLA candidates
+    assert nsa.candidate_cfgs(invocation(None)) == {"xla": xla, "gpu": triton}[DEVICE]  # this machine's
     assert nsa.candidate_cfgs_xla(invocation("triton")) == [nsa.heuristic_cfg(invocation("triton"))]  # interpreted
     for cfg in triton + pallas + xla:
         assert cfg.block_size == BLOCK  # part of the result's meaning: never tuned
@@ -253,18 +257,20 @@ def test_candidates_per_platform(rng):
     assert steps == {None, 64, 128}
 
 
-def test_shard_map_candidates_are_chosen_for_the_shards_shapes(rng):
+def test_shard_map_candidates_are_chosen_for_the_shards_shapes(rng, monkeypatch):
     calls = []
+    name = f"candidate_cfgs_shard_map_{DEVICE}"
+    shard_candidates = getattr(nsa_dsl.NativeSparseAttention, name)
 
-    class Recording(nsa_dsl.NativeSparseAttention):
-        def candidate_cfgs_shard_map_xla(self, inv):
-            calls.append(inv.arguments["query"].shape)
-            return super().candidate_cfgs_shard_map_xla(inv)
+    def recording(self, inv):
+        calls.append(inv.arguments["query"].shape)
+        return shard_candidates(self, inv)
 
-    nsa = Recording(block_size=BLOCK)
+    monkeypatch.setattr(nsa_dsl.NativeSparseAttention, name, recording)
+    nsa = nsa_dsl.NativeSparseAttention(block_size=BLOCK)
     q, k, v, indices = inputs(rng)
     shard = nsa.invocation(q[:, :, :2], k[:, :, :1], v[:, :, :1], None, None, indices[:, :, :1], 3, method="shard_map")
-    assert nsa.candidate_cfgs(shard) == nsa.candidate_cfgs_xla(shard)
+    assert nsa.candidate_cfgs(shard) == getattr(nsa, f"candidate_cfgs_{DEVICE}")(shard)
     assert calls == [(1, 40, 2, 16)]
 
 

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import reference
-from conftest import FORWARD_TOLERANCE, GRADIENT_TOLERANCE, assert_close, gate, normal, qkv, random_indices
+from conftest import FORWARD_TOLERANCE, GRADIENT_TOLERANCE, assert_close, child_env, gate, normal, qkv, random_indices
 from jax.sharding import NamedSharding
 from nsa_reference import NsaSpec, nsa_gradients, nsa_reference, small_example
 
@@ -62,9 +62,8 @@ def test_on_eight_host_devices(selected, skipped):
     flags = f"--xla_force_host_platform_device_count={DEVICES}"  # after conftest's compile flags
     root = str(Path(__file__).resolve().parents[1])
     # CPU host devices on any machine: a GPU host's device count must not decide which meshes exist.
-    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip(), JAX_PLATFORMS="cpu",
-               **{_WORKER: "1"})
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    env = child_env(XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip(), JAX_PLATFORMS="cpu",
+                    **{_WORKER: "1"})
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", selected, __file__],
                          check=False, cwd=root, env=env, capture_output=True, text=True, timeout=900)
     report = run.stdout[-6000:] + run.stderr[-3000:]

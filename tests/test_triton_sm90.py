@@ -11,12 +11,12 @@ by key block (BLOCK_OUTER_PAIRS: 128k tokens here) and decoding steps split thei
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import child_env
 
 HERE = Path(__file__).resolve().parent
 # Opt-in shared memory per block of an H100/H200 (cudaDevAttrMaxSharedMemoryPerBlockOptin).
@@ -65,9 +65,11 @@ CASES = {
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory) -> dict[str, list[dict]]:
     """Each group of cases compiled in a process of its own, the groups side by side."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
+    env = child_env(JAX_PLATFORMS="cpu")  # traced, not run: on a GPU machine too, launches must not reach jax-triton
     env.pop("TRITON_INTERPRET", None)
-    env["JAX_PLATFORMS"] = "cpu"  # traced, not run: on a GPU machine too, launches must not reach jax-triton
+    if env.get("TRITON_CACHE_DIR") == "":  # as the GPU machine's image sets it: Triton's compiler then
+        # refuses to compile ("Could not create or locate cache dir")
+        env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton"))
     workers = {}
     for name, cases in CASES.items():
         env_case = {**env, "NSA_DSL_CACHE_DIR": str(tmp_path_factory.mktemp("sm90"))}
