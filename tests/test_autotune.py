@@ -43,19 +43,19 @@ def tuned(tmp_path_factory):
     """One tuning of two XLA candidates, in a cache of this module's own."""
     if jax.default_backend() != "cpu":
         pytest.skip("tunes the CPU's XLA candidates (test_tuning_on_a_gpu_at_a_real_size tunes a GPU's)")
-    patch = pytest.MonkeyPatch()
-    patch.setenv("NSA_DSL_CACHE_DIR", str(tmp_path_factory.mktemp("autotune_cache")))
-    patch.delenv("NSA_DSL_AUTOTUNE", raising=False)
-    autotune.forget()
-    nsa = nsa_dsl.NativeSparseAttention(block_size=BLOCK)
-    args = call_arguments(np.random.default_rng(7))
-    inv = nsa.invocation(*args)
-    candidates = nsa.candidate_cfgs(inv)[1:]  # not the heuristic: the choice must differ from it
-    assert len(candidates) == 2
-    cfg = nsa.autotune(inv, candidates=candidates, repeats=1, progress=False)
-    yield SimpleNamespace(nsa=nsa, args=args, inv=inv, candidates=candidates, cfg=cfg, path=autotune.entry_path(nsa, inv))
-    autotune.forget()
-    patch.undo()
+    with pytest.MonkeyPatch.context() as patch:  # undone even where the tuning fails
+        patch.setenv("NSA_DSL_CACHE_DIR", str(tmp_path_factory.mktemp("autotune_cache")))
+        patch.delenv("NSA_DSL_AUTOTUNE", raising=False)
+        autotune.forget()
+        nsa = nsa_dsl.NativeSparseAttention(block_size=BLOCK)
+        args = call_arguments(np.random.default_rng(7))
+        inv = nsa.invocation(*args)
+        candidates = nsa.candidate_cfgs(inv)[1:]  # not the heuristic: the choice must differ from it
+        assert len(candidates) == 2
+        cfg = nsa.autotune(inv, candidates=candidates, repeats=1, progress=False)
+        yield SimpleNamespace(nsa=nsa, args=args, inv=inv, candidates=candidates, cfg=cfg,
+                              path=autotune.entry_path(nsa, inv))
+        autotune.forget()
 
 
 @pytest.fixture
@@ -551,6 +551,7 @@ def test_tuning_on_a_gpu_at_a_real_size(tmp_path, monkeypatch, rng):
     import jax.numpy as jnp
 
     monkeypatch.setenv("NSA_DSL_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("NSA_DSL_AUTOTUNE", raising=False)  # the default: lazily (GPU runs often set it to 0)
     autotune.forget()
     nsa = nsa_dsl.NativeSparseAttention(block_size=64)
     q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in qkv(rng, 1, 8192, 64, 4, 128))

@@ -57,7 +57,7 @@ def test_rows_that_see_nothing_have_zero_dq_whatever_their_output_gradient(rng, 
     d_out[0, 20, 1, 3], d_out[0, 24, 3, 0] = np.nan, np.inf
     for name, expected, actual in zip(("dq", "dk", "dv"), clean, pullback(jnp.asarray(d_out))):
         # Not bit for bit: on a GPU, XLA's dk/dv scatter-add sums in no fixed order.
-        np.testing.assert_allclose(np.asarray(actual), np.asarray(expected), rtol=1e-6, atol=1e-7, err_msg=name)
+        np.testing.assert_allclose(np.asarray(actual), np.asarray(expected), rtol=1e-5, atol=1e-6, err_msg=name)
     assert np.all(np.asarray(clean[0])[0, 20:25] == 0.0)
 
 

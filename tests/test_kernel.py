@@ -245,7 +245,8 @@ def test_candidates_per_platform(rng):
     # The Pallas kernels read no tile size yet: the TPU's 64/128 tiles are the heuristic all the same.
     assert nsa.candidate_cfgs_tpu(invocation("pallas")) == [nsa.heuristic_cfg(invocation("pallas"))]
     xla = nsa.candidate_cfgs_xla(invocation("xla"))
-    assert [c.chunk_bytes for c in xla] == [None, 4 << 20, 64 << 20] and {c.platform for c in xla} == {"xla"}
+    chunks = {"xla": [None, 4 << 20, 64 << 20], "gpu": [None, 64 << 20, 256 << 20]}[DEVICE]  # a GPU's memory is larger
+    assert [c.chunk_bytes for c in xla] == chunks and {c.platform for c in xla} == {"xla"}
     assert nsa.candidate_cfgs(invocation(None)) == {"xla": xla, "gpu": triton}[DEVICE]  # this machine's
     assert nsa.candidate_cfgs_xla(invocation("triton")) == [nsa.heuristic_cfg(invocation("triton"))]  # interpreted
     for cfg in triton + pallas + xla:
