@@ -19,7 +19,7 @@ import jax
 import pytest
 
 from nsa_dsl import CacheWarning
-from nsa_dsl.runtime import triton_cache
+from nsa_dsl.runtime import triton_cache, triton_glue
 
 
 def compilation(rng) -> tuple[str, SimpleNamespace]:
@@ -150,3 +150,26 @@ def test_a_second_process_compiles_no_kernel_again(tmp_path):
     repaired = run()
     assert repaired["compiled"] == 1 and repaired["grads"] == cold["grads"]
     assert triton_cache._read_entry(entries[0]) is not None
+
+
+@pytest.mark.parametrize("before", [None, "/somewhere/triton-cache"], ids=["unset", "set"])
+def test_importing_jax_triton_leaves_tritons_cache_dir_as_it_was(tmp_path, monkeypatch, before):
+    """jax-triton 0.3.1's import sets TRITON_CACHE_DIR to "" for good (a stand-in module does the
+    same here): Triton's own compiler then failed in the process, and in every child process, after
+    nsa_dsl's first GPU launch ("Could not create or locate cache dir": tests/test_triton_sm90.py's
+    workers on the H100, bench_gpu's PyTorch worker on the H200)."""
+    (tmp_path / "jax_triton.py").write_text('import os\nos.environ["TRITON_CACHE_DIR"] = ""\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(sys.modules, "jax_triton", None)  # whatever was there comes back afterwards
+    del sys.modules["jax_triton"]
+    if before is None:
+        monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    else:
+        monkeypatch.setenv("TRITON_CACHE_DIR", before)
+    triton_glue.import_jax_triton.cache_clear()
+    try:
+        module = triton_glue.import_jax_triton()
+    finally:
+        triton_glue.import_jax_triton.cache_clear()
+    assert module.__file__ == str(tmp_path / "jax_triton.py")
+    assert os.environ.get("TRITON_CACHE_DIR") == before

@@ -67,8 +67,8 @@ def compiled(tmp_path_factory) -> dict[str, list[dict]]:
     """Each group of cases compiled in a process of its own, the groups side by side."""
     env = child_env(JAX_PLATFORMS="cpu")  # traced, not run: on a GPU machine too, launches must not reach jax-triton
     env.pop("TRITON_INTERPRET", None)
-    if env.get("TRITON_CACHE_DIR") == "":  # as the GPU machine's image sets it: Triton's compiler then
-        # refuses to compile ("Could not create or locate cache dir")
+    if env.get("TRITON_CACHE_DIR") == "":  # as a process that imported jax_triton itself has it (ejkernel,
+        # say): Triton's compiler then refuses to compile ("Could not create or locate cache dir")
         env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton"))
     workers = {}
     for name, cases in CASES.items():

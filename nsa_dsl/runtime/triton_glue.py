@@ -44,6 +44,22 @@ def on_hopper() -> bool:
     return os.environ.get("NSA_DSL_HOPPER") != "0" and _compute_capability() == "9.0" and _mosaic_gpu_importable()
 
 
+@functools.lru_cache(maxsize=1)
+def import_jax_triton():
+    """jax_triton, imported without its one side effect on the process: its import sets
+    TRITON_CACHE_DIR to "", after which Triton's own compiler (torch.compile's kernels in this
+    process, Triton in any child process) refuses to compile ("Could not create or locate cache
+    dir"). The variable is put back as it was; jax-triton's compilation does not read it."""
+    before = os.environ.get("TRITON_CACHE_DIR")
+    import jax_triton
+
+    if before is None:
+        os.environ.pop("TRITON_CACHE_DIR", None)
+    else:
+        os.environ["TRITON_CACHE_DIR"] = before
+    return jax_triton
+
+
 @functools.lru_cache(maxsize=None)
 def _compute_capability() -> str | None:
     return getattr(jax.devices()[0], "compute_capability", None) if on_gpu() else None
@@ -219,8 +235,7 @@ def launch(
     aliases = dict(aliases or {})
     arrays = [x for x in inputs if not _is_scalar(x)]
     if on_gpu():
-        import jax_triton
-
+        jax_triton = import_jax_triton()
         triton_cache.install()
         triton_ffi.install()
         ptxas_cache.install()
