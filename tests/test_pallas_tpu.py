@@ -40,8 +40,8 @@ from nsa_dsl.plan import plan as p
 from nsa_dsl.runtime import attend
 
 TPU = nsa_dsl.NativeSparseAttentionConfig(backend="tpu")
-# The TPU interpreter runs on the CPU device, also where a GPU is the default: there kernels that XLA
-# runs side by side called into its global simulated memory at once, and one found it cleared.
+# The TPU interpreter runs on the CPU device, also where a GPU is the default: on the GPU machine its
+# callbacks found its global simulated memory unset (an assertion in jax's interpret_pallas_call).
 CPU = jax.devices("cpu")[0]
 W, L, S, G, R = model.Window, model.Local, model.Stride, model.Global, model.Random
 
