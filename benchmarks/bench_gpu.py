@@ -1112,8 +1112,8 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, Settings]:
     parser.add_argument("--min-left-s", type=float, default=8.0, help="budget left below which a measurement is skipped")
     parser.add_argument("--worker-timeout-s", type=float, default=240.0, help="longest wait for one PyTorch measurement")
     parser.add_argument("--batches", type=int, help="timed batches per measurement at most (default 10; --dry-run: 3)")
-    parser.add_argument("--min-batch-ms", type=float, help="back-to-back calls per batch: about this long (default 20)")
-    parser.add_argument("--time-cap-s", type=float, help="stop timing after this once 3 batches are done (default 0.75)")
+    parser.add_argument("--min-batch-ms", type=float, help="back-to-back calls per batch: about this long (default 300)")
+    parser.add_argument("--time-cap-s", type=float, help="stop timing after this once 3 batches are done (default 1.5)")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, few repeats: tests the harness")
     parser.add_argument("--device", choices=("gpu", "cpu"), help="default gpu (--dry-run: cpu)")
     for name, kind in (("hq", int), ("hkv", int), ("head-dim", int), ("block", int), ("selected", int), ("window", int),
@@ -1144,7 +1144,7 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, Settings]:
     if args.xla_cases:
         overrides["xla_cases"] = tuple(args.xla_cases.split(","))
     settings = dataclasses.replace(settings, **{k: v for k, v in overrides.items() if v is not None})
-    for name, usual, dry in (("batches", 10, 3), ("min_batch_ms", 20.0, 5.0), ("time_cap_s", 0.75, 0.3)):
+    for name, usual, dry in (("batches", 10, 3), ("min_batch_ms", 300.0, 5.0), ("time_cap_s", 1.5, 0.3)):
         if getattr(args, name) is None:
             setattr(args, name, dry if args.dry_run else usual)
     cases_given = bool(args.cases)
