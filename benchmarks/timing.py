@@ -9,11 +9,11 @@ MIN_CALLS_PER_BATCH, so host dispatch overlaps device work as it does in a train
 is queued while the one before it runs), and short kernels are not dominated by the launch of a
 single call. No L2 flush between calls (neither framework's peers get one here).
 
-A batch leaves the device idle once: while its first call is dispatched and while its end is
-synchronised: ~0.75 ms for the 64k NSA forward on an H200 (session 68: 0.2 ms a call less at 15
-calls a batch than at 3). Rows whose batches last alike carry alike shares of it: bench_gpu's
-default of 300 ms gives that 20 ms call 15 a batch and cuDNN's 117 ms one 3, ~0.2-0.25% each,
-where 20 ms batches (its default until session 79) gave the short call 1.25% and the long one 0.2%.
+Each batch leaves the device idle while its first call is dispatched and while its end is
+synchronised, ~0.75 ms in all for the 64k NSA forward on an H200 (session 68: 0.2 ms a call less
+at 15 calls a batch than at 3). Rows whose batches last alike carry alike shares of it:
+MIN_BATCH_MS (300) gives that 20 ms call 15 a batch and cuDNN's 117 ms one 3, ~0.2-0.25% each,
+where 20 ms batches (the default until session 79) gave the short call 1.25% and the long one 0.2%.
 """
 
 from __future__ import annotations
@@ -27,10 +27,12 @@ from collections.abc import Callable
 # tokens) a batch would time that call's host dispatch and the synchronisation's round trip as well
 # as its device work, which a training step's queue of calls hides.
 MIN_CALLS_PER_BATCH = 3
+# A batch's length, about (the module's docstring says why).
+MIN_BATCH_MS = 300.0
 
 
 def measure(call: Callable[[], object], sync: Callable[[object], None], *, batches: int = 10,
-            min_batch_ms: float = 20.0, time_cap_s: float = 1.0) -> dict:
+            min_batch_ms: float = MIN_BATCH_MS, time_cap_s: float = 1.5) -> dict:
     """Time `call()`; `sync(result)` blocks until the device has finished it.
 
     Stops after `batches` batches, or after `time_cap_s` seconds of batches once three are
