@@ -28,11 +28,13 @@ def test_installed_wheel_compiles_an_example(tmp_path: Path) -> None:
     run([sys.executable, "-m", "venv", venv], timeout=300)
     python, pip = venv / "bin" / "python", venv / "bin" / "pip"
     run([pip, "install", "--no-deps", "--no-index", wheel], timeout=300)
-    # The dependencies (jax, lark, ...) come from this interpreter, without network. A .pth file
-    # appends them after the venv's own site-packages, so the installed nsa_dsl is the one imported
-    # (PYTHONPATH would put them, and an editable nsa_dsl with them, in front).
+    # The dependencies (jax, lark, ...) come from this interpreter, without network: its site-packages
+    # and its PYTHONPATH but the checkout (the GPU machine keeps lark and jax-triton in a --target
+    # folder there). A .pth file appends them after the venv's own site-packages, so the installed
+    # nsa_dsl is the one imported (PYTHONPATH would put them, and the checkout's nsa_dsl, in front).
     purelib = run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], timeout=60).strip()
-    Path(purelib, "outer_site_packages.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    outer = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != ROOT]
+    Path(purelib, "outer_site_packages.pth").write_text("\n".join(outer + site.getsitepackages()) + "\n")
 
     elsewhere = tmp_path / "elsewhere"  # not the checkout, whose templates/ must not be found
     elsewhere.mkdir()
