@@ -14,6 +14,7 @@ synchronised, ~0.75 ms in all for the 64k NSA forward on an H200 (session 68: 0.
 at 15 calls a batch than at 3). Rows whose batches last alike carry alike shares of it:
 MIN_BATCH_MS (300) gives that 20 ms call 15 a batch and cuDNN's 117 ms one 3, ~0.2-0.25% each,
 where 20 ms batches (the default until session 79) gave the short call 1.25% and the long one 0.2%.
+(Session 80's H100 showed no difference between the two lengths beyond its ~0.5% run-to-run noise.)
 """
 
 from __future__ import annotations
