@@ -9,8 +9,9 @@
 # context-parallel files, the Pallas GPU files and the packed-sequence isolation test; "rest": every
 # other file, test_wheel only where .whl/build holds the tools it builds the wheel with (the image has
 # no `build` or hatchling; benchmarks/README.md says how to fetch them). On an H100 with 8 workers
-# (sessions 78-80) the parts took about 450, 270 and 450 s. pytest-xdist runs 8 workers and -v, so that a log cut at the call's limit still says
-# what ran; the log lands in $OUT/gpu_tests.log. GPU_TESTS_S bounds pytest (default 540).
+# (sessions 78-80) the parts took about 450, 270 and 450 s. pytest-xdist runs 8 workers and -v, so
+# that a log cut at the call's limit still says what ran; the log lands in $OUT/gpu_tests.log.
+# GPU_TESTS_S bounds pytest (default 540).
 set -u
 selection=(tests/test_triton_selection.py tests/test_triton_nsa.py tests/test_pattern_fuzz.py)
 static=(tests/test_triton_static.py tests/test_triton_context_parallel.py tests/test_pallas_static.py
@@ -20,10 +21,9 @@ while [ $# -gt 0 ] && [ "$1" != "--" ]; do
     case $1 in
         rest)
             for f in tests/test_*.py; do
-                [[ " ${selection[*]} ${static[*]} " == *" $f "* ]] || files+=("$f")
-            done
-            [ -d .whl/build ] || for i in "${!files[@]}"; do
-                [ "${files[$i]}" = tests/test_wheel.py ] && unset "files[$i]"
+                [[ " ${selection[*]} ${static[*]} " == *" $f "* ]] && continue
+                [[ $f == tests/test_wheel.py && ! -d .whl/build ]] && continue
+                files+=("$f")
             done ;;
         selection) files+=("${selection[@]}") ;;
         static) files+=("${static[@]}") ;;
