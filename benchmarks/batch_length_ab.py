@@ -21,14 +21,15 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
+from timing import MIN_BATCH_MS, measure
 
-BATCH_LENGTHS_MS = (20.0, 300.0)
+# The batch length before session 79, and bench_gpu's default since.
+BATCH_LENGTHS_MS = (20.0, MIN_BATCH_MS)
 
 
 def sampled_measure(run, batch_ms: float) -> dict:
     """timing.measure's result for `run` at `batch_ms`, with the median SM clock (MHz) and power (W)."""
     import jax
-    from timing import measure
 
     sampler = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
                                 "-lms", "100"], stdout=subprocess.PIPE, text=True)

@@ -63,7 +63,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(HERE)
 sys.path.insert(0, REPO_ROOT)
 sys.path.insert(0, HERE)
-from timing import MIN_BATCH_MS, MIN_CALLS_PER_BATCH, error_text, measure
+from timing import MIN_BATCH_MS, MIN_CALLS_PER_BATCH, TIME_CAP_S, error_text, measure
 
 # H200 ceilings measured on this machine kind (KINDS.md): device-to-device copy and bf16 matmul.
 HBM_BYTES_PER_S = 4.3e12
@@ -1113,7 +1113,7 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, Settings]:
     parser.add_argument("--worker-timeout-s", type=float, default=240.0, help="longest wait for one PyTorch measurement")
     parser.add_argument("--batches", type=int, help="timed batches per measurement at most (default 10; --dry-run: 3)")
     parser.add_argument("--min-batch-ms", type=float, help=f"back-to-back calls per batch: about this long (default {MIN_BATCH_MS:.0f})")
-    parser.add_argument("--time-cap-s", type=float, help="stop timing after this once 3 batches are done (default 1.5)")
+    parser.add_argument("--time-cap-s", type=float, help=f"stop timing after this once 3 batches are done (default {TIME_CAP_S:g})")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, few repeats: tests the harness")
     parser.add_argument("--device", choices=("gpu", "cpu"), help="default gpu (--dry-run: cpu)")
     for name, kind in (("hq", int), ("hkv", int), ("head-dim", int), ("block", int), ("selected", int), ("window", int),
@@ -1144,7 +1144,7 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, Settings]:
     if args.xla_cases:
         overrides["xla_cases"] = tuple(args.xla_cases.split(","))
     settings = dataclasses.replace(settings, **{k: v for k, v in overrides.items() if v is not None})
-    for name, usual, dry in (("batches", 10, 3), ("min_batch_ms", MIN_BATCH_MS, 5.0), ("time_cap_s", 1.5, 0.3)):
+    for name, usual, dry in (("batches", 10, 3), ("min_batch_ms", MIN_BATCH_MS, 5.0), ("time_cap_s", TIME_CAP_S, 0.3)):
         if getattr(args, name) is None:
             setattr(args, name, dry if args.dry_run else usual)
     cases_given = bool(args.cases)

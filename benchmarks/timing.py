@@ -30,10 +30,12 @@ from collections.abc import Callable
 MIN_CALLS_PER_BATCH = 3
 # A batch's length, about (the module's docstring says why).
 MIN_BATCH_MS = 300.0
+# Seconds of batches after which timing stops once three are done: ~5 batches of MIN_BATCH_MS.
+TIME_CAP_S = 1.5
 
 
 def measure(call: Callable[[], object], sync: Callable[[object], None], *, batches: int = 10,
-            min_batch_ms: float = MIN_BATCH_MS, time_cap_s: float = 1.5) -> dict:
+            min_batch_ms: float = MIN_BATCH_MS, time_cap_s: float = TIME_CAP_S) -> dict:
     """Time `call()`; `sync(result)` blocks until the device has finished it.
 
     Stops after `batches` batches, or after `time_cap_s` seconds of batches once three are
