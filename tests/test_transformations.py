@@ -188,7 +188,9 @@ def test_vmap_on_triton_launches_each_kernel_as_often_for_any_mapped_size(rng, m
     g_slc = jnp.asarray(np.stack([gate(rng, 1, seq_len, heads_q) for _ in range(3)]))
     indices = jnp.asarray(np.stack([random_indices(rng, 1, seq_len, heads_kv, 3, block) for _ in range(3)]), jnp.int32)
     elements = [(q[i], k, g_slc[i], indices[i]) for i in range(3)]
-    one_by_one = [output(*e) for e in elements], [gradients(*e) for e in elements]
+    # Finished before any count: the third element's calls, dispatched asynchronously, would
+    # otherwise launch while the first transformation is counted (seen in CI: ('vmap', 2) == 2).
+    one_by_one = jax.block_until_ready(([output(*e) for e in elements], [gradients(*e) for e in elements]))
     launch_counts = {}
     for size in (2, 3):  # the first two elements, then all three
         d_q, d_k, d_g_slc = (np.stack(d) for d in zip(*one_by_one[1][:size]))
