@@ -14,7 +14,10 @@ synchronised, ~0.75 ms in all for the 64k NSA forward on an H200 (session 68: 0.
 at 15 calls a batch than at 3). Rows whose batches last alike carry alike shares of it:
 MIN_BATCH_MS (300) gives that 20 ms call 15 a batch and cuDNN's 117 ms one 3, ~0.2-0.25% each,
 where 20 ms batches (the default until session 79) gave the short call 1.25% and the long one 0.2%.
-(Session 80's H100 showed no difference between the two lengths beyond its ~0.5% run-to-run noise.)
+Measured apart on an H100 (batch_length_ab.py, session 81), the long batches made the NSA forward
+1.3% slower, not faster: the card reaches its power cap within a ~300 ms batch (SM clock ~1800
+against ~1900 MHz), where cuDNN's three 117 ms calls take it either way. Long batches time the
+sustained rate of a training step, alike for every row; short ones flatter short calls.
 """
 
 from __future__ import annotations
