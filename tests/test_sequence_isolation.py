@@ -53,6 +53,13 @@ CPU_PACKING = Packing(np.array([0, 37, 100, 160], np.int32), 16, 20, 4, 2, 16, n
 GPU_PACKING = Packing(np.array([0, 370, 1000, 1600], np.int32), 64, 200, 16, 2, 64, jnp.bfloat16,
                       (("k", 600, np.nan), ("v", 999, np.inf), ("k", 1000, -np.inf), ("v", 1000, np.nan),
                        ("q", 370, np.inf), ("d_out", 1000, np.nan)))
+# Non-finite queries alone, in one KV group of one head (the plants' head 1 of k is q's): a NaN or
+# +inf makes its row's output NaN, and so its delta (the backward's rowsum(d_out * out)); the -inf
+# on the third sequence's first row meets only its own key, made positive: a score of -inf, an
+# output of zeros and a finite delta, so the Hopper kernels' backward learns of it from the
+# forward's lse alone (hopper_window.py.j2's queries_finite).
+GPU_QUERY_PACKING = GPU_PACKING._replace(heads_q=2, heads_kv=2, planted=(
+    ("q", 100, np.inf), ("q", 600, np.nan), ("k", 1000, 1.0), ("q", 1000, -np.inf)))
 SCALE = 0.25
 
 
@@ -142,3 +149,13 @@ def test_a_non_finite_value_stays_in_its_sequence_compiled(rng, case, platform):
     """The compiled kernels, in bfloat16 as the Hopper kernels take it: without atomics, the clean
     and the poisoned runs agree exactly where one kernel runs both."""
     assert_isolated(rng, case, platform, None, GPU_PACKING, 2e-2 if runs_on_hopper(case, platform) else 0.0)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU: the compiled kernels in bfloat16")
+@pytest.mark.parametrize("case", ["window", "causal"])
+def test_a_non_finite_query_stays_in_its_sequence_compiled(rng, case):
+    """The check that keeps a packed call from the Hopper kernels sees a non-finite query with no
+    non-finite key, value or output gradient beside it to give the call away."""
+    if not runs_on_hopper(case, "triton"):
+        pytest.skip("the Mosaic GPU kernels run on a Hopper GPU only")
+    assert_isolated(rng, case, "triton", None, GPU_QUERY_PACKING, 2e-2)

@@ -359,26 +359,31 @@ def test_hopper_dkdv_splits_groups_of_unequal_key_tiles_and_of_too_few_ctas(monk
     assert splits(100, 1024, 4, 12, packed=True) == 6  # 32 CTAs
 
 
-def test_packed_calls_holding_a_non_finite_value_leave_the_hopper_kernels_for_triton(rng, monkeypatch):
+@pytest.mark.parametrize("end", [64, 56])
+def test_packed_calls_holding_a_non_finite_value_leave_the_hopper_kernels_for_triton(rng, monkeypatch, end):
     """The Hopper kernels' tiles span packed sequences (a NaN or Inf would reach the neighbours:
     tests/test_sequence_isolation.py runs them on a GPU), so a packed call runs them only where the
     values that reach another sequence's rows are finite: k and v in the forward, and q, k, v and
-    d_out (through its rows' delta) in the backward; otherwise Triton's kernels, which isolate. CI
-    cannot run the Mosaic GPU kernels: stand-ins that return a mark show which ran."""
+    d_out (through its rows' delta) in the backward, q through the forward's lse in the rows of a
+    sequence and read in rows past the last (`end` < 64); otherwise Triton's kernels, which
+    isolate. CI cannot run the Mosaic GPU kernels: stand-ins that return a mark show which ran, the
+    forward's lse as the kernel's (not finite where the query is, -inf in a row of no sequence)."""
     monkeypatch.setattr(triton_glue, "on_hopper", lambda: True)
     attention = compiled([W(24)], block=8)  # a pattern of this test alone: its traces hold the stand-ins
     module = codegen.load_module("triton", attention.plan, for_device(attention.config))
     mark = 1234.0
+    cu_seqlens = jnp.asarray([0, 21, 40, end], jnp.int32)
+    inside = (jnp.arange(64) < end)[:, None]
 
     def forward_stand_in(spec, q, *_):
-        return jnp.full(q.shape, mark, q.dtype), jnp.zeros(q.shape[:2], jnp.float32)
+        lse = jnp.where(inside, 0.0 * q.astype(jnp.float32).sum(axis=-1), -jnp.inf)
+        return jnp.full(q.shape, mark, q.dtype), lse
 
     def backward_stand_in(spec, q, k, v, *_):
         return tuple(jnp.full(x.shape, mark, x.dtype) for x in (q, k, v))
 
     monkeypatch.setattr(module, "hopper_window_forward", forward_stand_in)
     monkeypatch.setattr(module, "hopper_window_backward", backward_stand_in)
-    cu_seqlens = jnp.asarray([0, 21, 40, 64], jnp.int32)
     q, k, v = (jnp.asarray(x, jnp.float16) for x in qkv(rng, 1, 64, 4, 2, 64))
     d_out = jnp.asarray(rng.standard_normal(q.shape), jnp.float16)
 
@@ -390,14 +395,15 @@ def test_packed_calls_holding_a_non_finite_value_leave_the_hopper_kernels_for_tr
     def on_hopper(q=q, k=k, v=v, d_out=d_out):  # for out, dq, dk, dv: whether the Hopper kernels ran
         return [bool((np.asarray(x, np.float32)[0, 0] == mark).all()) for x in run(q, k, v, d_out)]
 
-    def planted(x, value):  # in the second sequence
-        return x.at[0, 30, 1, 3].set(value)
+    def planted(x, value, row=30):
+        return x.at[0, row, 1, 3].set(value)
 
     assert on_hopper() == [True] * 4
     for value in (np.nan, np.inf, -np.inf):
         assert on_hopper(k=planted(k, value)) == [False] * 4
         assert on_hopper(v=planted(v, value)) == [False] * 4
-        assert on_hopper(q=planted(q, value)) == [True, False, False, False]
+        for row in (30, 60):  # inside the second sequence; the third's or none's
+            assert on_hopper(q=planted(q, value, row)) == [True, False, False, False]
         assert on_hopper(d_out=planted(d_out, value)) == [True, False, False, False]
 
 
