@@ -503,6 +503,36 @@ def test_hopper_kernels_of_trailing_windows(rng, monkeypatch, keys):
         assert set(calls) == {"hopper_window_forward", "hopper_window_backward"}, f"no Hopper kernels at {shape}"
 
 
+@pytest.mark.skipif(not triton_glue.on_hopper(), reason="Mosaic GPU kernels: a Hopper GPU only")
+def test_hopper_kernels_under_vmap_of_packed_calls(rng, monkeypatch):
+    """jax.vmap of a packed call is not folded into its batch (runtime/batching.py): the mapped axis
+    reaches the Mosaic GPU kernels (Pallas' batching rule) and the finiteness check, whose mapped
+    predicate makes both launches run and selects between them. Each element of the mapped call,
+    and of its gradient, is the call of that element alone (rows past the last sequence included)."""
+    attention = compiled([W(200)])
+    module = codegen.load_module("triton", attention.plan, for_device(attention.config))
+    calls = record_calls(monkeypatch, module, "hopper_window_forward", "hopper_window_backward")
+    cu_seqlens = jnp.asarray([0, 300, 997], jnp.int32)
+    stacks = [jnp.asarray(np.stack(x), jnp.float16) for x in zip(*(qkv(rng, 1, 1000, 4, 2, 64) for _ in range(3)))]
+    cotangent = jnp.asarray(rng.standard_normal(stacks[0].shape[1:]), jnp.float16)
+
+    def output(q, k, v):
+        return attention(q, k, v, cu_seqlens=cu_seqlens, platform="triton")
+
+    def loss(q, k, v):
+        return jnp.sum(output(q, k, v).astype(jnp.float32) * cotangent)
+
+    for function in (output, jax.grad(loss, argnums=(0, 1, 2))):
+        calls.clear()
+        mapped = jax.jit(jax.vmap(function))(*stacks)
+        assert "hopper_window_forward" in calls
+        one_by_one = [jax.jit(function)(*(x[i] for x in stacks)) for i in range(3)]
+        for i, element in enumerate(one_by_one):
+            for got, wanted in zip(jax.tree.leaves(mapped), jax.tree.leaves(element)):
+                np.testing.assert_allclose(np.asarray(got[i], np.float32), np.asarray(wanted, np.float32),
+                                           rtol=1e-2, atol=1e-2, err_msg=f"element {i}")
+
+
 # ---- table branches ----------------------------------------------------------------------------
 
 
