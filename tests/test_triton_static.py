@@ -504,6 +504,32 @@ def test_hopper_kernels_of_trailing_windows(rng, monkeypatch, keys):
 
 
 @pytest.mark.skipif(not triton_glue.on_hopper(), reason="Mosaic GPU kernels: a Hopper GPU only")
+def test_hopper_forward_lse_tells_whether_packed_queries_are_finite(rng):
+    """queries_finite learns of a packed call's queries from the Hopper forward's lse: all finite
+    on finite inputs (rows past the last sequence, whose lse is -inf, included), and not where a
+    query holds a NaN, an inf, or a -inf whose every visible score is -inf (its output is zeros);
+    a row past the last sequence is read from q itself."""
+    attention = compiled([W(200)])
+    module = codegen.load_module("triton", attention.plan, for_device(attention.config))
+    seq_len, heads_kv, group, head_dim = 1000, 2, 2, 64
+    spec = module.Static(module.static_kernels_ranges, heads_kv, group, head_dim, True, seq_len=seq_len)
+    offsets = jnp.asarray([0, 300, 997], jnp.int32)
+    q, k, v = (jnp.asarray(x[0], jnp.float16) for x in qkv(rng, 1, seq_len, heads_kv * group, heads_kv, head_dim))
+    scale = jnp.full((1,), head_dim**-0.5, jnp.float32)
+
+    def finite(q, k):
+        _, lse = module.hopper_window_forward(spec, q, k, v, scale, offsets)
+        return bool(module.queries_finite(q, lse, offsets))
+
+    assert finite(q, k)
+    for value in (np.nan, np.inf, -np.inf):
+        assert not finite(q.at[500, 1, 3].set(value), k)
+        assert not finite(q.at[998, 1, 3].set(value), k)
+    # The second sequence's first row sees its own key alone, made positive where the query is -inf.
+    assert not finite(q.at[300, 1, 3].set(-np.inf), k.at[300, 0, 3].set(1.0))
+
+
+@pytest.mark.skipif(not triton_glue.on_hopper(), reason="Mosaic GPU kernels: a Hopper GPU only")
 def test_hopper_kernels_under_vmap_of_packed_calls(rng, monkeypatch):
     """jax.vmap of a packed call is not folded into its batch (runtime/batching.py): the mapped axis
     reaches the Mosaic GPU kernels (Pallas' batching rule) and the finiteness check, whose mapped
