@@ -11,7 +11,7 @@ B x T rows, HQ=64, HKV=4, D=128, bfloat16; window 512 and causal, forward and fo
 sequences cut at random (seed 0) from 65536 rows; one batch row of 65000; 4 rows of 8000.
 cuDNN dense (jax.nn.dot_product_attention) where it computes the same thing (no packing);
 FlexAttention for every layout, packed ones through a document mask, in its own process (the
-same input values: one seeded generator). One JSON line per row.
+same input values: seeded generators). One JSON line per row.
 
 On a Hopper the packed layout runs behind the finiteness check of packed calls: to time a change there,
 run `--layouts packed16_64k` under each tree's PYTHONPATH with one NSA_DSL_CACHE_DIR (the kernels are
@@ -40,17 +40,19 @@ LAYOUTS = ("packed16_64k", "ragged_65000", "ragged_8000x4")
 
 
 def layouts(chosen):
-    """(name, B, T, cu_seqlens or None, q, k, v, d_out as float32 numpy) for the layouts `chosen`."""
-    rng = np.random.default_rng(0)
-    cuts = np.sort(rng.choice(np.arange(1, 65536), 15, replace=False))
+    """(name, B, T, cu_seqlens or None, q, k, v, d_out as float32 numpy) for the layouts `chosen`,
+    each layout's values from a generator of its own (the same whichever layouts a process runs)."""
+    cuts = np.sort(np.random.default_rng(0).choice(np.arange(1, 65536), 15, replace=False))
     shapes = [
         ("packed16_64k", 1, 65536, np.concatenate([[0], cuts, [65536]]).astype(np.int32)),
         ("ragged_65000", 1, 65000, None),
         ("ragged_8000x4", 4, 8000, None),
     ]
-    for name, batch, seq_len, cu_seqlens in shapes:
+    for index, (name, batch, seq_len, cu_seqlens) in enumerate(shapes):
         if name not in chosen:
             continue
+        rng = np.random.default_rng((0, index))
+
         def normal(heads):
             return rng.standard_normal((batch, seq_len, heads, HEAD_DIM), dtype=np.float32)
 
