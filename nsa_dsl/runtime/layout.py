@@ -123,11 +123,16 @@ def rows(offsets: jax.Array, total: int) -> Rows:
     return rows_at(offsets, jnp.arange(total, dtype=jnp.int32))
 
 
+def in_sequences(offsets: jax.Array, row: jax.Array) -> jax.Array:
+    """Whether each of the packed rows `row` is in one of the sequences (not past cu_seqlens[-1])."""
+    return (row >= offsets[0]) & (row < offsets[-1])
+
+
 def rows_at(offsets: jax.Array, row: jax.Array) -> Rows:
     """The Rows of the packed rows `row` (any shape, int32)."""
     seq = jnp.clip(search_sorted(offsets[1:], row, side="right"), 0, offsets.shape[0] - 2).astype(jnp.int32)
     start = offsets[seq]
-    inside = (row >= offsets[0]) & (row < offsets[-1])
+    inside = in_sequences(offsets, row)
     return Rows(start, offsets[seq + 1], jnp.where(inside, row - start, -1), seq)
 
 
