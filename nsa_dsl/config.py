@@ -5,6 +5,8 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass, fields
 
+from .dsl.model import MAX_TOKENS
+
 PLATFORMS = ("xla", "triton", "pallas")
 BACKENDS = ("gpu", "tpu", "cpu")
 _TILES = ("block_q", "block_k", "block_d", "num_warps", "num_stages", "chunk_bytes")
@@ -49,8 +51,9 @@ class NativeSparseAttentionConfig:
             value = getattr(self, name)
             if isinstance(value, numbers.Integral) and not isinstance(value, bool | int):
                 object.__setattr__(self, name, int(value))
-        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
-            raise ValueError(f"cfg.block_size must be a positive int, got {self.block_size!r}")
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or not 1 <= self.block_size <= MAX_TOKENS:
+            # A block no longer than the longest sequence the kernels run, as the .nsa language's.
+            raise ValueError(f"cfg.block_size must be a positive int up to 2**29, got {self.block_size!r}")
         for name in _TILES:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):

@@ -133,6 +133,16 @@ def test_a_bad_cu_seqlens_is_shown_as_given():
         nsa_dsl.native_sparse_attention(*(args.get(n) for n in order))
 
 
+@pytest.mark.parametrize("last", [-(2**31), -(2**32) + 40])
+def test_a_cu_seqlens_decreasing_past_int32s_range_is_refused(last):
+    """int32 differences wrap: 20 to -2**31 read as an increase, and the kernels got it unchecked
+    (their output all zeros, the valid first sequence's rows too)."""
+    args = {**GOOD_CALL, "cu_seqlens": np.array([0, 1, last], np.int64)}
+    order = ["query", "key", "value", "g_cmp", "g_slc", "block_indices", "block_counts", "cu_seqlens"]
+    with pytest.raises(ValueError, match=r"cu_seqlens must start at 0, never decrease"):
+        nsa_dsl.native_sparse_attention(*(args.get(n) for n in order))
+
+
 def test_cu_seqlens_in_the_kernel_objects_softmax_scale_place_is_named():
     """The kernel object keeps ejkernel's Kernel.run order (softmax_scale 8th, cu_seqlens 9th), the
     function takes cu_seqlens 8th: a call moved from one to the other is told which argument it

@@ -192,6 +192,7 @@ def test_ignored_block_indices_are_reported_at_the_callers_line(rng):
         ({"chunk_bytes": -1}, "chunk_bytes must be a positive int"),
         ({"block_size": True}, "block_size must be a positive int"),
         ({"block_size": np.bool_(True)}, "block_size must be a positive int"),
+        ({"block_size": 2**29 + 1}, "block_size must be a positive int up to 2\\*\\*29"),
         ({"block_k": np.int64(48)}, "block_k must be a power of two"),
         ({"platform": "cuda"}, "platform must be one of"),
         ({"backend": "npu"}, "backend must be"),

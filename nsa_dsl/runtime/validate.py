@@ -296,7 +296,7 @@ def cu_seqlens(value: object, shapes: Shapes) -> jax.Array | None:
     if shapes.batch != 1:
         raise ValueError(f"cu_seqlens packs sequences into one batch row: batch must be 1, got {shapes.batch}")
     if _is_concrete(cu):
-        host = np.asarray(cu)
+        host = np.asarray(cu, np.int64)  # int32 differences wrap: [0, 20, -2**31] would pass
         if host[0] != 0 or (np.diff(host) < 0).any() or host[-1] > shapes.seq_len:
             raise ValueError(
                 f"cu_seqlens must start at 0, never decrease and end at most at seq_len={shapes.seq_len}, "
