@@ -683,6 +683,9 @@ def test_override_of_the_wrong_type(name, value, kind, example):
         ("window", -(2**63), "2**63 - 1"),
         ("ratio", float("inf"), "1e308"),
         ("ratio", "1e400", "1e308"),
+        ("ratio", 10**400, "1e308"),  # an int for a float param: math.isfinite overflowed on it
+        ("ratio", "1" + "0" * 400, "1e308"),
+        ("ratio", float("nan"), "1e308"),
     ],
 )
 def test_override_out_of_range_is_told_so(name, value, limit):

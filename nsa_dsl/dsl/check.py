@@ -276,8 +276,9 @@ class _PatternChecker:
                 f"override {decl.name.name}={raw!r} does not fit: param '{decl.name.name}' is {kind}",
                 f"give {kind}, e.g. -D {decl.name.name}={_show(declared)}",
             )
-        # (a bool is never out of range: |True| = 1)
-        too_large = abs(value) > MAX_INT if type(declared) is int else not (math.isfinite(value) and abs(value) <= 1e308)
+        # (a bool is never out of range: |True| = 1; an int compares with 1e308 exactly, where
+        # math.isfinite(10**400) would overflow; NaN compares False)
+        too_large = abs(value) > MAX_INT if type(declared) is int else not abs(value) <= 1e308
         if too_large:
             limit = "2**63 - 1" if type(declared) is int else "1e308"
             raise self.error(decl.name, f"override {decl.name.name}={raw!r} is out of range: at most {limit} in magnitude")
