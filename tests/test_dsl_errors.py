@@ -712,6 +712,16 @@ def test_a_file_that_is_not_utf8_is_located(tmp_path):
     assert err.source_line == "# caf\ufffd au lait"
 
 
+@pytest.mark.parametrize("line_end", [b"\r\n", b"\r"])
+def test_a_file_that_is_not_utf8_is_located_whatever_its_line_ends(tmp_path, line_end):
+    """Lines ended by CR alone (as parse() reads them) were one line here: line 1, the whole file."""
+    path = tmp_path / "latin1.nsa"
+    path.write_bytes(line_end.join([b"pattern p", b"block 16", b"branch m = window(3) # caf\xe9", b""]))
+    with pytest.raises(NsaError, match="not UTF-8 text") as info:
+        load(path)
+    assert (info.value.line, info.value.column, info.value.source_line) == (3, 27, "branch m = window(3) # caf\ufffd")
+
+
 def test_override_can_make_a_pattern_invalid():
     err = failure(OVERRIDABLE, overrides={"window": 0})
     assert (err.message, err.line, err.column) == ("window(0, 0) is empty: left + right must be >= 1", 6, 12)

@@ -251,7 +251,9 @@ def _path_hint(text: str) -> str | None:
 def _decoded(data: bytes, file: str) -> str:
     """A file's bytes as text (UTF-8; a byte order mark, as some editors write, is no text), or an
     error at the line and column of the first byte that is not UTF-8."""
-    data = data.removeprefix(codecs.BOM_UTF8)
+    # Line ends as parse() reads them, so that a line counts alike here (CR and LF are never
+    # part of a multi-byte UTF-8 character).
+    data = data.removeprefix(codecs.BOM_UTF8).replace(b"\r\n", b"\n").replace(b"\r", b"\n")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -262,6 +264,6 @@ def _decoded(data: bytes, file: str) -> str:
             file=file,
             line=data.count(b"\n", 0, err.start) + 1,
             column=len(data[line_start : err.start].decode("utf-8", "replace")) + 1,
-            source_line=data[line_start : None if line_end < 0 else line_end].decode("utf-8", "replace").rstrip("\r"),
+            source_line=data[line_start : None if line_end < 0 else line_end].decode("utf-8", "replace"),
             hint="save the file as UTF-8",
         ) from None
