@@ -414,6 +414,13 @@ SEMANTIC = [
         "a gate's default must be the same on every branch that uses it",
     ),
     (HEAD + "branch b = local(1) gate g_slc default 1e999", "number too large", 3, 40, None),
+    (
+        HEAD + "branch b = local(1) gate g_slc default 1e39",  # was taken: every output inf
+        "gate default 1e+39 is out of range: a gate is a float32 weight, at most 3.4e38 in magnitude",
+        3,
+        40,
+        None,
+    ),
     # -- topk
     (CMP + "branch b = topk(4)", "topk() needs argument 'score'", 4, 12, None),
     (CMP + "branch b = topk(4, score=cmp, 64)", "topk(): positional argument after a keyword argument", 4, 31, None),

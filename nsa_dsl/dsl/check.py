@@ -38,6 +38,7 @@ CALL_ARGUMENTS = {
 }
 MAX_SIZE = 2**31 - 1  # sizes, counts, ids and seeds: kernels index with int32
 MAX_INT = 2**63 - 1  # any integer an expression may produce
+MAX_GATE = 3.4028234663852886e38  # float32's largest: a gate's default is a float32 weight
 MAX_NESTING = 100  # calls, unary minus, right-nested operators and forward branch references
 MAX_KEYSET_NODES = 10_000  # a key set after inlining branch references, counted as a tree
 
@@ -591,6 +592,12 @@ class _PatternChecker:
                 f"(built-in gates: {', '.join(model.BUILTIN_GATES)})",
             )
         default = None if clause.default is None else float(self.evaluate(clause.default, _PARAMS, 0))
+        if default is not None and not abs(default) <= MAX_GATE:
+            raise self.error(
+                clause.default,
+                f"gate default {_show(default)} is out of range: a gate is a float32 weight, "
+                "at most 3.4e38 in magnitude",
+            )
         return model.Gate(name, default)
 
     def check_condition(self, clause: ast.IfClause) -> None:
