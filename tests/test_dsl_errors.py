@@ -502,6 +502,20 @@ SEMANTIC = [
         17,
         "count includes the forced blocks: use at least topk(4, ...)",
     ),
+    (  # was taken, and at run time the forced blocks cut to 2 by id: a query's own block dropped
+        CMP + "branch b = topk(2, score=cmp, force=local(1) | stride(2))",
+        "force= adds more blocks the longer the sequence (a stride), more than topk(2) holds",
+        4,
+        46,
+        "bound it, e.g. `stride(2) & local(16)`, and count the bound in topk's count",
+    ),
+    (
+        CMP + "branch b = topk(4, score=cmp, force=global(first=1) | (stride(2) & local(8)) | random(2))",
+        "topk(4) cannot hold the up to 11 blocks force= adds",
+        4,
+        17,
+        "count includes the forced blocks: use at least topk(11, ...)",
+    ),
     (  # a sequence of the longest the kernels run (2**29 tokens) has 2**23 blocks of 64
         CMP + "branch b = topk(3, score=cmp, force=global(2147483647) | local(2147483647))",
         "topk(3) cannot hold the 8388608 blocks force= always adds",

@@ -97,6 +97,19 @@ def test_selection_per_block_of_queries(rng):
     run_and_check(rng, text, spec, batch=2, seq_len=75, heads_q=4, heads_kv=2, head_dim=16, gates=("cmp", "slc"))
 
 
+def test_a_stride_bounded_by_a_local_is_forced_whole(rng):
+    """force= with a stride is taken once `&` bounds it and topk's count holds the bound (an unbounded
+    one is refused: at run time its blocks were cut to the count by id, a query's own dropped)."""
+    text = (
+        "pattern p\nblock 16\n"
+        "branch cmp = compress(block=16, stride=8) gate g_cmp\n"
+        "branch slc = topk(6, block=16, score=cmp, force=stride(2, 1) & local(6)) gate g_slc\n"
+    )
+    spec = NsaSpec(compress_block=16, compress_stride=8, select_count=6, select_block=16,
+                   forced=lambda qb, kb: kb % 2 == 1 and qb - 6 < kb <= qb)
+    run_and_check(rng, text, spec, batch=1, seq_len=150, heads_q=4, heads_kv=2, head_dim=20, gates=("cmp", "slc"))
+
+
 def test_native_sparse_attention_with_g_cmp_is_ejkernels_configuration(rng):
     batch, seq_len, heads_q, heads_kv, head_dim, block = 2, 90, 8, 2, 32, 16
     q, k, v = qkv(rng, batch, seq_len, heads_q, heads_kv, head_dim)

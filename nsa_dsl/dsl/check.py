@@ -698,12 +698,28 @@ class _PatternChecker:
             force = self.keyset(args["force"], _Scope(block_level=True), 1, "topk() force=")
             # No sequence has more blocks than the longest the kernels run (past that, a bigger
             # force set adds nothing, and the hint would name a count the language refuses).
-            forced = min(_always_forced(force), -(-model.MAX_TOKENS // block))
+            most_blocks = -(-model.MAX_TOKENS // block)
+            forced = min(_always_forced(force), most_blocks)
             if count < forced:
                 raise self.error(
                     args["count"],
                     f"topk({count}) cannot hold the {forced} blocks force= always adds",
                     f"count includes the forced blocks: use at least topk({forced}, ...)",
+                )
+            # Forced blocks are always selected, so none may be left out where force= adds more
+            # than `count` (the kernels would keep the lowest ids: a query's own block dropped).
+            bound = _most_forced(force)
+            if bound is None:
+                raise self.error(
+                    args["force"],
+                    f"force= adds more blocks the longer the sequence (a stride), more than topk({count}) holds",
+                    "bound it, e.g. `stride(2) & local(16)`, and count the bound in topk's count",
+                )
+            if count < min(bound, most_blocks):
+                raise self.error(
+                    args["count"],
+                    f"topk({count}) cannot hold the up to {min(bound, most_blocks)} blocks force= adds",
+                    f"count includes the forced blocks: use at least topk({min(bound, most_blocks)}, ...)",
                 )
         return model.TopK(count=count, block=block, score=score, force=force)
 
@@ -840,6 +856,27 @@ def _block_atoms(keys: model.KeySet) -> set[model.BlockAtom]:
 
 def _contains_window(keys: model.KeySet) -> bool:
     return isinstance(keys, model.Window) or any(_contains_window(child) for child in _children(keys))
+
+
+def _most_forced(force: model.KeySet) -> int | None:
+    """At most how many blocks `force` adds to a query block's selection, None where that grows
+    with the sequence (a stride that no & bounds): _always_forced's count of local, global and
+    blocks parts (their overlaps only lower it), each random(...)'s count, an intersection's
+    smallest bound and a difference's left operand's."""
+    if isinstance(force, model.Stride):
+        return None
+    if isinstance(force, model.Random):
+        return force.count
+    if isinstance(force, model.Intersection):
+        return min((b for b in map(_most_forced, force.parts) if b is not None), default=None)
+    if isinstance(force, model.Difference):
+        return _most_forced(force.left)
+    parts = force.parts if isinstance(force, model.Union) else (force,)
+    counted = tuple(p for p in parts if isinstance(p, model.Local | model.Global | model.Blocks))
+    others = [_most_forced(p) for p in parts if not isinstance(p, model.Local | model.Global | model.Blocks)]
+    if None in others:
+        return None
+    return _always_forced(model.Union(counted)) + sum(others)
 
 
 def _always_forced(force: model.KeySet) -> int:
