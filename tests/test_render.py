@@ -92,6 +92,36 @@ def test_plan_literal_rebuilds_the_plan() -> None:
     assert eval(plan_literal(p), {"model": model, "plan": plan}) == p
 
 
+def test_plan_literal_of_a_deep_key_set_looks_at_each_part_at_most_twice(monkeypatch) -> None:
+    """Each level rendered its parts on one line and, where too long, again laid out: time doubled
+    per level (`window(2048) - blocks(0) - ... - blocks(15)` took 71 s, a 12-deep mix of -, & and
+    | over two minutes), and the cache key renders the plan on every kernel load."""
+    import nsa_dsl
+
+    source = "pattern p\nblock 16\nbranch m = window(2048) " + "".join(f"- blocks({i}) " for i in range(30))
+    compiled = nsa_dsl.compile(source).plan
+    parts = []
+    looked_at = render_module._literal_shape
+
+    def counted(value):
+        parts.append(value)
+        return looked_at(value)
+
+    monkeypatch.setattr(render_module, "_literal_shape", counted)
+    text = plan_literal(compiled)
+    assert eval(text, {"model": model, "plan": plan}) == compiled
+    assert len(parts) <= 2 * _tree_size(compiled)
+
+
+def _tree_size(value: object) -> int:
+    """The parts of a plan, counted as a tree (a value met twice counts twice)."""
+    if isinstance(value, tuple):
+        return 1 + sum(map(_tree_size, value))
+    if dataclasses.is_dataclass(value):
+        return 1 + sum(_tree_size(getattr(value, f.name)) for f in dataclasses.fields(value))
+    return 1
+
+
 @pytest.mark.parametrize("hostile", HOSTILE)
 def test_plan_literal_refuses_hostile_names(hostile: str) -> None:
     for p in (make_plan(name=hostile), make_plan(params=((hostile, 8),))):

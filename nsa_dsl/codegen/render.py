@@ -17,6 +17,7 @@ import keyword
 import math
 import re
 from pathlib import Path
+from typing import NamedTuple
 
 import jinja2
 
@@ -75,31 +76,57 @@ def plan_literal(value: object, indent: int = 0) -> Code:
     """A Python expression that rebuilds `value` (a plan or part of one) in generated code,
     given `from nsa_dsl.dsl import model` and `from nsa_dsl.plan import plan`; laid out one
     field a line, indented from `indent`, where it does not fit on one line."""
+    # Each part's one-line text is built once, by id (the parts outlive the call): a key set
+    # nested n deep costs O(n), where rendering it again at each level doubled per level.
+    one_lines: dict[int, str] = {}
+
+    def one_line(part: object) -> str:
+        if id(part) not in one_lines:
+            shape = _literal_shape(part)
+            one_lines[id(part)] = shape if isinstance(shape, str) else (
+                shape.opening + ", ".join(name + one_line(item) for name, item in shape.items) + shape.trailing + ")"
+            )
+        return one_lines[id(part)]
+
+    def laid_out(part: object, indent: int) -> str:
+        text = one_line(part)
+        shape = _literal_shape(part)
+        if isinstance(shape, str) or indent + len(text) <= _LINE_WIDTH or not shape.items:
+            return text
+        inner = " " * (indent + 4)
+        lines = [f"{inner}{name}{laid_out(item, indent + 4)}," for name, item in shape.items]
+        return shape.opening + "\n" + "\n".join(lines) + "\n" + " " * indent + ")"
+
+    return Code(laid_out(value, indent))
+
+
+class _Composite(NamedTuple):
+    """A tuple's or a plan dataclass's literal: its opening, (keyword, item) pairs and a 1-tuple's
+    comma before the closing parenthesis."""
+
+    opening: str
+    items: list[tuple[str, object]]
+    trailing: str
+
+
+def _literal_shape(value: object) -> str | _Composite:
+    """A leaf's validated text, or the parts of a composite's literal."""
     if value is None or isinstance(value, (bool, int, float)):
-        return Code(_safe(value) if value is not None else "None")
+        return _safe(value) if value is not None else "None"
     if isinstance(value, str):
         if not is_identifier(value):
             raise UnsafeTemplateValue(f"refusing to render {value!r} into generated code")
-        return Code(repr(value))
+        return repr(value)
     if isinstance(value, tuple):
-        opening, closing, items = "(", ")", [("", item) for item in value]
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _Composite("(", [("", item) for item in value], "," if len(value) == 1 else "")
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
         cls = type(value)
         alias = _MODULE_ALIAS.get(cls.__module__)
         if alias is None:
             raise UnsafeTemplateValue(f"{cls.__qualname__} is not part of a plan")
-        opening, closing = f"{alias}.{cls.__name__}(", ")"
-        items = [(f"{f.name}=", getattr(value, f.name)) for f in dataclasses.fields(value)]
-    else:
-        raise UnsafeTemplateValue(f"refusing to render {value!r} ({type(value).__name__}) into generated code")
-    flat = [f"{name}{plan_literal(item)}" for name, item in items]
-    trailing = "," if isinstance(value, tuple) and len(items) == 1 else ""
-    one_line = opening + ", ".join(flat) + trailing + closing
-    if indent + len(one_line) <= _LINE_WIDTH or not items:
-        return Code(one_line)
-    inner = " " * (indent + 4)
-    lines = [f"{inner}{name}{plan_literal(item, indent + 4)}," for name, item in items]
-    return Code(opening + "\n" + "\n".join(lines) + "\n" + " " * indent + closing)
+        fields = [(f"{f.name}=", getattr(value, f.name)) for f in dataclasses.fields(value)]
+        return _Composite(f"{alias}.{cls.__name__}(", fields, "")
+    raise UnsafeTemplateValue(f"refusing to render {value!r} ({type(value).__name__}) into generated code")
 
 
 @functools.lru_cache(maxsize=None)
