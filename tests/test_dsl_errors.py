@@ -57,6 +57,22 @@ SYNTAX = [
     (HEAD + "branch b = window(\uff18)", "unexpected character '\uff18'", 3, 19, None),
     (HEAD + "param x = 0.\u0665", "unexpected character '\u0665'", 3, 13, None),
     ("pattern p\nblock 1\u0966", "unexpected character '\u0966'", 2, 8, None),
+    # a keyword where a name is missing: read as the name, it moved the error to the next name
+    # ("unexpected name 'n'" at 4:8, with 'branch' among the expected words)
+    (
+        HEAD + "branch m = window(4) gate\nbranch n = window(2)",
+        "expected a name after 'gate', found the keyword 'branch'",
+        4,
+        1,
+        "'branch' is a keyword of the language, never a name: is the name missing?",
+    ),
+    (
+        "pattern p\nparam\nblock 64",
+        "expected a name after 'param', found the keyword 'block'",
+        3,
+        1,
+        "'block' is a keyword of the language, never a name: is the name missing?",
+    ),
 ]
 
 

@@ -163,6 +163,16 @@ def _identifier(token: Token) -> ast.Identifier:
 
 # ---- Lark errors -> NsaSyntaxError ---------------------------------------------------------
 def _syntax_error(err: UnexpectedInput, text: str, file: str) -> NsaSyntaxError:
+    misread = _keyword_taken_as_name(err)
+    if misread is not None:
+        # The contextual lexer read a keyword as a name where only a name fits (`gate` then
+        # `branch ...`), so the error would land on a later token: say what is missing instead.
+        keyword, before = misread
+        return NsaSyntaxError(
+            f"expected a name after {before}, found the keyword '{keyword.value}'",
+            file=file, line=keyword.line, column=keyword.column, source_line=source_line(text, keyword.line),
+            hint=f"'{keyword.value}' is a keyword of the language, never a name: is the name missing?",
+        )
     if isinstance(err, UnexpectedCharacters):
         message = f"unexpected character {err.char!r}"
         line, column = err.line, err.column
@@ -178,6 +188,27 @@ def _syntax_error(err: UnexpectedInput, text: str, file: str) -> NsaSyntaxError:
     words = _expected_words(err.interactive_parser.accepts())
     hint = ("expected " + (words[0] if len(words) == 1 else "one of: " + ", ".join(words))) if words else None
     return NsaSyntaxError(message, file=file, line=line, column=column, source_line=source_line(text, line), hint=hint)
+
+
+def _keyword_taken_as_name(err: UnexpectedInput) -> tuple[Token, str] | None:
+    """(the keyword, what came before it as words) where the parse failed right after a keyword
+    read as a name; None otherwise."""
+    if not isinstance(err, UnexpectedToken) or err.interactive_parser is None:
+        return None
+    values = err.interactive_parser.parser_state.value_stack
+    last = values[-1] if values else None
+    if not (isinstance(last, Token) and last.type == "NAME" and last.value in _keywords()):
+        return None
+    before = values[-2] if len(values) > 1 else None
+    return last, f"'{before.value}'" if isinstance(before, Token) else "what precedes it"
+
+
+@functools.cache
+def _keywords() -> frozenset[str]:
+    """The grammar's words (`branch`, `gate`, `true`, ...): its terminals that are literal names."""
+    return frozenset(
+        t.pattern.value for t in _lark().terminals if t.pattern.type == "str" and t.pattern.value.isidentifier()
+    )
 
 
 def _describe_token(token: Token) -> str:
