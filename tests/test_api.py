@@ -260,6 +260,27 @@ def test_compile_text_with_declared_and_builtin_gates(rng):
         attention(q, k, v, block_indices=np.zeros((1, 50, 2, 1), np.int32))
 
 
+def test_gates_the_file_names_but_no_kept_branch_reads_are_taken_and_ignored(rng):
+    """A model that passes g_swa broke when `-D use_swa=false` dropped the window branch: the gate
+    was "no gate of that name". Gates the file names are taken (checked, not read); others are not."""
+    source = (
+        "pattern p\nparam use_swa = true\nblock 16\ngate g_extra\n"
+        "branch near = local(2)\nbranch swa = window(8) gate g_swa default 1 if use_swa\n"
+    )
+    attention = nsa_dsl.compile(source, use_swa=False)
+    assert attention.plan.idle_gates == ("g_extra", "g_swa")
+    q, k, v = qkv(rng, 1, 40, 4, 2, 16)
+    near = reference.static_mask(attention.plan.branches[0].static, 16, True, 1, 40)
+    expected = reference.forward(q, k, v, [near], [None], 0.25)
+    given = {"g_swa": gate(rng, 1, 40, 4), "g_extra": gate(rng, 1, 40, 4)}
+    assert_close(attention(q, k, v, **given), expected, FORWARD_TOLERANCE, "idle gates")
+    with pytest.raises(ValueError, match=r"g_swa must be \[batch, seq_len, num_q_heads\]"):
+        attention(q, k, v, g_swa=gate(rng, 1, 39, 4))
+    with pytest.raises(ValueError, match="g_cmp: pattern 'p' has no gate of that name"):
+        attention(q, k, v, g_cmp=given["g_swa"])
+    assert nsa_dsl.compile(source).plan.idle_gates == ("g_extra",)
+
+
 def test_compile_reports_located_errors():
     with pytest.raises(nsa_dsl.NsaSemanticError, match="g_slcc"):
         nsa_dsl.compile("pattern p\nblock 16\ncausal\nbranch main = window(8) gate g_slcc\n")

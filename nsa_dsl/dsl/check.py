@@ -198,12 +198,15 @@ class _PatternChecker:
                 self.decl.name, f"pattern '{self.decl.name.name}' keeps no branch: every branch's `if` param is false"
             )
         self.check_scores_kept(kept)
+        used = {branch.gate.name for branch in kept if branch.gate is not None}
+        named = dict.fromkeys([*self.gate_decls, *(branch.gate.name for branch, _ in branches if branch.gate)])
         return model.Pattern(
             name=self.decl.name.name,
             block_size=self.block_size,
             causal=self.causal,
             params=tuple(self.params.items()),
             branches=tuple(kept),
+            idle_gates=tuple(name for name in named if name not in used),
         )
 
     def collect_statements(self) -> None:

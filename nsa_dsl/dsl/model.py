@@ -128,6 +128,9 @@ class Pattern:
     causal: bool
     params: tuple[tuple[str, int | float | bool], ...]
     branches: tuple[Branch, ...]
+    # Gates the file names that no kept branch uses (declared with `gate`, or their branches
+    # dropped by `if`): a call may pass them, so that one model serves every setting of its params.
+    idle_gates: tuple[str, ...] = ()
 
 
 BUILTIN_GATES = ("g_cmp", "g_slc", "g_swa")

@@ -15,6 +15,7 @@ def lower(pattern: model.Pattern) -> p.Plan:
         causal=pattern.causal,
         params=pattern.params,
         branches=tuple(_lower_branch(b) for b in pattern.branches),
+        idle_gates=pattern.idle_gates,
     )
 
 

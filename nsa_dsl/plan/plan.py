@@ -115,6 +115,7 @@ class Plan:
     causal: bool
     params: tuple[tuple[str, int | float | bool], ...]
     branches: tuple[BranchPlan, ...]
+    idle_gates: tuple[str, ...] = ()  # dsl.model.Pattern's: taken from a call and not read
 
     def __post_init__(self) -> None:
         # Selections are causal by definition (the DSL refuses compress/topk in bidirectional

@@ -308,7 +308,8 @@ def inputs(
     may be fewer than the keys (a query_offset was given)."""
     query, key, value, shapes = validate.attention_inputs(query, key, value, query_shard=query_shard)
     declared = tuple(dict.fromkeys(gate.name for gate in plan.gates))
-    given = validate.gates(gates or {}, declared, plan.name, shapes)
+    given = validate.gates(gates or {}, declared + plan.idle_gates, plan.name, shapes)
+    given = {name: gate for name, gate in given.items() if name not in plan.idle_gates}
     cu = validate.cu_seqlens(cu_seqlens, shapes)
     scale = validate.softmax_scale(softmax_scale, shapes)
     explicit = [b for b in plan.branches if isinstance(b, p.SelectBranch)]
