@@ -875,8 +875,9 @@ def _most_forced(force: model.KeySet) -> int | None:
     if isinstance(force, model.Difference):
         return _most_forced(force.left)
     parts = force.parts if isinstance(force, model.Union) else (force,)
-    counted = tuple(p for p in parts if isinstance(p, model.Local | model.Global | model.Blocks))
-    others = [_most_forced(p) for p in parts if not isinstance(p, model.Local | model.Global | model.Blocks)]
+    atoms = model.Local | model.Global | model.Blocks
+    counted = tuple(p for p in parts if isinstance(p, atoms))
+    others = [_most_forced(p) for p in parts if not isinstance(p, atoms)]
     if None in others:
         return None
     return _always_forced(model.Union(counted)) + sum(others)
