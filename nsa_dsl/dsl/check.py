@@ -718,11 +718,12 @@ class _PatternChecker:
                     f"force= adds more blocks the longer the sequence (a stride), more than topk({count}) holds",
                     "bound it, e.g. `stride(2) & local(16)`, and count the bound in topk's count",
                 )
-            if count < min(bound, most_blocks):
+            bound = min(bound, most_blocks)
+            if count < bound:
                 raise self.error(
                     args["count"],
-                    f"topk({count}) cannot hold the up to {min(bound, most_blocks)} blocks force= adds",
-                    f"count includes the forced blocks: use at least topk({min(bound, most_blocks)}, ...)",
+                    f"topk({count}) cannot hold the up to {bound} blocks force= adds",
+                    f"count includes the forced blocks: use at least topk({bound}, ...)",
                 )
         return model.TopK(count=count, block=block, score=score, force=force)
 
