@@ -348,6 +348,13 @@ SEMANTIC = [
         26,
         "names become identifiers in generated Python code",
     ),
+    (
+        HEAD + "param __debug__ = 1\nbranch b = local(1)",  # Python refuses it as a keyword argument
+        "'__debug__' is a Python keyword and cannot name a param",
+        3,
+        7,
+        "names become identifiers in generated Python code",
+    ),
     # -- branches
     ("pattern p\nblock 64\nparam x = 1", "pattern 'p' has no branches", 1, 9, "add e.g. `branch main = window(256)`"),
     (

@@ -113,6 +113,30 @@ def test_plan_literal_of_a_deep_key_set_looks_at_each_part_at_most_twice(monkeyp
     assert len(parts) <= 2 * _tree_size(compiled)
 
 
+def _alternating(depth: int) -> str:
+    """A key set `depth + 1` deep: & and | alternate, so no level flattens into the next."""
+    keys = "window(3)"
+    for i in range(depth):
+        keys = f"(window({i + 2}) {'|' if i % 2 else '&'} {keys})"
+    return keys
+
+
+def test_key_sets_as_deep_and_wide_as_the_language_allows_render_modules_that_compile() -> None:
+    """A key set 99 deep (the limit was 100) rendered a plan literal of two parentheses a level,
+    past the 200 nested ones CPython parses; a union 3,000 terms wide, a mask chain of 3,000 |
+    past its compiler's recursion. Each checked, and no backend's module compiled."""
+    import nsa_dsl
+    from nsa_dsl.dsl.check import MAX_NESTING
+
+    wide = " | ".join(f"(window({i + 2}) & window({i + 3}, 1))" for i in range(3000))  # 9,000 nodes
+    for keys in (_alternating(MAX_NESTING - 1), wide):
+        attention = nsa_dsl.compile(f"pattern p\nblock 16\nbranch m = {keys}\n")
+        for platform in ("xla", "triton", "pallas"):
+            compile(attention.source(platform), f"{platform}.py", "exec")
+    with pytest.raises(NsaSemanticError, match="nested too deeply"):
+        nsa_dsl.compile(f"pattern p\nblock 16\nbranch m = {_alternating(MAX_NESTING)}\n")
+
+
 def _tree_size(value: object) -> int:
     """The parts of a plan, counted as a tree (a value met twice counts twice)."""
     if isinstance(value, tuple):

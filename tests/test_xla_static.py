@@ -31,6 +31,9 @@ KEY_SETS = {
     "intersection": (model.Intersection((W(40), S(2))), True),
     "difference": (model.Difference(L(4), model.Union((W(5), BL((1,))))), True),
     "nested": (model.Difference(model.Union((L(2, 1), G(1), R(1, 3))), model.Intersection((S(2, 1), W(10, 10)))), False),
+    # more than four parts render as a balanced tree of | or & (templates/xla/mask.j2)
+    "wide_union": (model.Union((W(3), L(1), W(9, 2), G(1), BL((3,)), S(5, 2), W(30, 1), R(1, 7), model.Intersection((W(50), L(3))))), True),
+    "wide_intersection": (model.Intersection((W(60, 9), L(3, 1), W(45, 20), model.Union((S(2), W(6, 6))), W(70), G(4))), False),
 }
 
 

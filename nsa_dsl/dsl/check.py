@@ -39,7 +39,9 @@ CALL_ARGUMENTS = {
 MAX_SIZE = 2**31 - 1  # sizes, counts, ids and seeds: kernels index with int32
 MAX_INT = 2**63 - 1  # any integer an expression may produce
 MAX_GATE = 3.4028234663852886e38  # float32's largest: a gate's default is a float32 weight
-MAX_NESTING = 100  # calls, unary minus, right-nested operators and forward branch references
+# calls, unary minus, right-nested operators and forward branch references; a key set's plan literal
+# spends two parentheses a level, and CPython parses at most 200 nested ones
+MAX_NESTING = 64
 MAX_KEYSET_NODES = 10_000  # a key set after inlining branch references, counted as a tree
 
 _KEYSET_TYPES = (
@@ -246,7 +248,8 @@ class _PatternChecker:
     def identifier(self, ident: ast.Identifier, what: str) -> str:
         if ident.name in RESERVED_WORDS:
             raise self.error(ident, f"'{ident.name}' is a reserved word and cannot name a {what}")
-        if keyword.iskeyword(ident.name):
+        if keyword.iskeyword(ident.name) or ident.name == "__debug__":
+            # (__debug__ is no keyword, but Python refuses it as a keyword argument's name too)
             raise self.error(
                 ident,
                 f"'{ident.name}' is a Python keyword and cannot name a {what}",
