@@ -1,7 +1,7 @@
 """`nsa-compile`: compile the patterns of a `.nsa` file to importable kernel modules.
 
     nsa-compile FILE.nsa [-D name=value ...] [--pattern NAME] [--platform xla[,triton][,pallas]]
-                [-o DIR] [--show-plan] [--check] [--seq-len T]
+                [--device cpu|gpu|tpu] [-o DIR] [--show-plan] [--check] [--seq-len T]
 
 For every pattern and platform it writes DIR/<pattern>_<platform>.py and prints a summary:
 the branches, and for static branches at --seq-len the key blocks per query row, the density
@@ -24,7 +24,7 @@ import numpy as np
 from . import codegen, dsl
 from .api import check_pattern
 from .codegen.cache import holds_entry, write_atomically
-from .config import PLATFORMS
+from .config import PLATFORMS, NativeSparseAttentionConfig
 from .dsl import model
 from .errors import NsaError
 from .plan import build_block_table, lower
@@ -32,7 +32,7 @@ from .plan import plan as p
 from .plan.ranges import MAX_TOKENS
 from .resources import templates_dir
 from .runtime import check_supported
-from .runtime.platform import has_generator
+from .runtime.platform import for_device, has_generator
 
 
 def _define(text: str) -> tuple[str, str]:
@@ -73,6 +73,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--pattern", metavar="NAME", help="compile only this pattern of the file")
     parser.add_argument(
         "--platform", default="xla", help=f"comma-separated platforms out of {','.join(PLATFORMS)} (default: xla)"
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "gpu", "tpu"),
+        help="the device kind the modules are for (default: this machine's; Pallas renders a GPU or a TPU variant)",
     )
     parser.add_argument(
         "-o", "--output", type=Path, default=Path("."), metavar="DIR", help="where to write the modules (default: .)"
@@ -258,6 +263,8 @@ def _compile(args: argparse.Namespace, platforms: list[str]) -> int:
     else:
         patterns = (dsl.load_pattern(args.file, name=args.pattern, overrides=overrides),)
     plans = [lower(pattern) for pattern in patterns]
+    # as calls render them, so the entry it reports is the one a call with the default config loads
+    config = for_device(NativeSparseAttentionConfig(backend=args.device))
     args.output.mkdir(parents=True, exist_ok=True)
     succeeded = True
     for plan in plans:
@@ -280,10 +287,10 @@ def _compile(args: argparse.Namespace, platforms: list[str]) -> int:
             # Replaced whole or not at all: a write that fails midway (a full disk) keeps the earlier module.
             # Through a symbolic link, as writing to it would: the link stays, its file is replaced.
             try:
-                write_atomically(target.resolve(), codegen.source(platform, plan).encode())
+                write_atomically(target.resolve(), codegen.source(platform, plan, config).encode())
             except OSError as err:  # named by the module, not by the temporary file it was written to
                 raise OSError(err.errno, err.strerror, str(target)) from err
-            entry = codegen.cache_path(platform, plan)
+            entry = codegen.cache_path(platform, plan, config)
             # A cache that could not take the entry has warned; its path then holds nothing, or a damaged
             # entry that it could not replace.
             cached = f"cached at {entry}" if holds_entry(entry) else f"not cached: {codegen.cache_root()} cannot take it"

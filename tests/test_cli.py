@@ -59,9 +59,11 @@ def test_writes_one_module_per_pattern_and_prints_the_summary(source_file: Path,
     printed = capsys.readouterr().out
     assert sorted(p.name for p in out.iterdir()) == ["sliding_xla.py", "strided_xla.py"]
     for name in ("sliding", "strided"):
-        plan = lower(dsl.load_pattern(source_file, name=name))
-        assert (out / f"{name}_xla.py").read_text() == codegen.source("xla", plan)
-        assert f"(cached at {cache.cache_path('xla', plan)})" in printed
+        # the module a call loads, and the entry it loads it from (nsa-compile rendered for no device,
+        # so it reported an entry no call read)
+        entry = nsa_dsl.compile(source_file, pattern=name).module_path("xla")
+        assert (out / f"{name}_xla.py").read_text() == entry.read_text()
+        assert f"(cached at {entry})" in printed
     # Figures derived by hand. sliding, T=1024, block 64: 16 query blocks; window(128) reaches
     # the two previous key blocks: rows see 1, 2, then 3 blocks (45 of the 136 causal tiles);
     # the tile just below the diagonal is full, the diagonal and the one two below are partial.
@@ -386,7 +388,7 @@ def test_a_damaged_entry_the_cache_cannot_replace_is_not_named_as_its_place(sour
     damaged file, which holds no module."""
     out = tmp_path / "out"
     assert cli.main([str(source_file), "--pattern", "sliding", "-o", str(out)]) == 0
-    entry = codegen.cache_path("xla", lower(dsl.load_pattern(source_file, name="sliding")))
+    entry = nsa_dsl.compile(source_file, pattern="sliding").module_path("xla")
     entry.write_text("garbage")
 
     def read_only(path, data, mode=None):
@@ -400,6 +402,18 @@ def test_a_damaged_entry_the_cache_cannot_replace_is_not_named_as_its_place(sour
     assert f"  xla: wrote {out / 'sliding_xla.py'} (not cached: {codegen.cache_root()} cannot take it)" in printed
     assert "cached at" not in printed
     assert (out / "sliding_xla.py").read_text().startswith('"""Sparse attention for pattern `sliding`')
+
+
+def test_pallas_modules_are_rendered_for_the_device_asked_for(source_file: Path, tmp_path: Path) -> None:
+    """Pallas renders Mosaic TPU kernels for a TPU and Triton-lowered ones for a GPU: nsa-compile
+    rendered for no device, so on a TPU host it wrote the GPU module."""
+    for device in ("gpu", "tpu"):
+        out = tmp_path / device
+        assert cli.main([str(source_file), "--pattern", "sliding", "--platform", "pallas", "--device", device, "-o", str(out)]) == 0
+        config = nsa_dsl.NativeSparseAttentionConfig(backend=device)
+        expected = nsa_dsl.compile(source_file, pattern="sliding", config=config).module_path("pallas")
+        assert (out / "sliding_pallas.py").read_text() == expected.read_text()
+        assert ("pltpu." in expected.read_text()) == (device == "tpu")
 
 
 def test_block_tables_too_large_for_memory_are_a_message_not_a_traceback(source_file: Path, tmp_path: Path,
