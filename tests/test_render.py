@@ -198,6 +198,34 @@ def test_hostile_override_is_a_semantic_error(overrides: dict[str, object]) -> N
         dsl.load_pattern(text, overrides=overrides)
 
 
+# What a generated module offers: the runtime reads attention, selections and TABLES, users also
+# sparse_attention, compress, PLAN and BLOCK (README: "nsa-compile").
+MODULE_ENTRIES = {"attention", "sparse_attention", "selections", "compress", "PLAN", "TABLES", "BLOCK"}
+
+
+def _unreachable_definitions(text: str) -> set[str]:
+    """Top-level functions, classes and constants of module `text` that neither its entries nor
+    its module-level statements reach, through any chain of names read: text no call can run."""
+    import ast
+
+    definitions: dict[str, ast.stmt] = {}
+    roots = set(MODULE_ENTRIES)
+    for node in ast.parse(text).body:
+        if isinstance(node, ast.FunctionDef | ast.ClassDef):
+            definitions[node.name] = node
+        elif isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) for t in node.targets):
+            definitions.update((target.id, node) for target in node.targets)
+        else:
+            roots |= {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+    reached, pending = set(), [name for name in roots if name in definitions]
+    while pending:
+        name = pending.pop()
+        if name not in reached:
+            reached.add(name)
+            pending += [n.id for n in ast.walk(definitions[name]) if isinstance(n, ast.Name) and n.id in definitions]
+    return set(definitions) - reached
+
+
 def _names_read_but_never_bound(text: str) -> set[str]:
     """Global names that some function of module `text` reads and that the module never binds
     (nor are builtins): each a NameError once that function runs."""
@@ -232,3 +260,29 @@ def test_every_name_a_rendered_module_reads_is_defined(backend: str) -> None:
         for pattern in dsl.load(path):
             text = cache._render_module(platform, lower(pattern), config)
             assert _names_read_but_never_bound(text) == set(), (path.name, pattern.name)
+
+
+@pytest.mark.parametrize("backend", ["xla", "triton", "pallas", "tpu"])
+def test_a_rendered_module_holds_only_code_its_entries_reach(backend: str) -> None:
+    """A kernel should read as one written for its pattern: nsa_meanpool's Triton module carried the
+    Hopper window kernels (~500 lines) for a pattern without a window, bigbird's the range walks
+    of patterns whose branches all walk tables."""
+    from nsa_dsl.config import NativeSparseAttentionConfig
+    from nsa_dsl.plan import lower
+
+    from nsa_dsl.kernel import compressed_selection_plan, selection_plan
+
+    config = NativeSparseAttentionConfig(backend="tpu" if backend == "tpu" else "gpu")
+    platform = "pallas" if backend == "tpu" else backend
+    examples = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.nsa"))
+    plans = [lower(pattern) for path in examples for pattern in dsl.load(path)]
+    plans += [selection_plan(64), compressed_selection_plan(64, 16)]
+    plans += [lower(dsl.load_pattern(f"pattern p\nblock 64\n{text}")) for text in (
+        "branch c = compress(block=32, stride=16) gate g_cmp",  # a compression no top-k scores with
+        "branch w = window(256)\nbranch c = compress(block=64) gate g_cmp",
+        "branch a = window(100) | stride(4)\nbranch b = local(2) - blocks(1)",
+        "bidirectional\nbranch w = window(64, 64)",
+        "branch c = compress(block=64, pool=learned)\nbranch s = topk(8, score=c) per block(64)",
+    )]
+    for plan in plans:
+        assert _unreachable_definitions(cache._render_module(platform, plan, config)) == set(), plan.name
