@@ -74,6 +74,33 @@ def test_xla_forward_over_reverse_matches_the_reference(rng):
     assert_close(np.asarray(hessian), expected, 1e-3, "hessian")
 
 
+def test_xla_forward_over_reverse_through_the_compression_matches_the_reference(rng):
+    """jax.hessian in one key row of the NSA pattern, whose compression pools the keys through a
+    custom_vjp (layout.pooled_blocks: its backward gathers): its forward rule called the custom_vjp
+    function itself, which forward mode refuses, so the Hessian in k or v of any compress branch
+    raised JAX's TypeError. The top-k is piecewise constant: the reference takes its selection."""
+    batch, seq_len, heads_q, heads_kv, dim, row = 1, 40, 2, 1, 8, 21
+    text, spec = small_example("nsa")
+    attention = nsa_dsl.compile(text)
+    q, k, v = qkv(rng, batch, seq_len, heads_q, heads_kv, dim)
+    names = [g.name.removeprefix("g_") for g in attention.plan.gates]
+    gates = [gate(rng, batch, seq_len, heads_q) for _ in names]
+
+    def loss_of(output, q, k, v, gates):
+        return lambda key_row: (output(q, k.at[0, row, 0].set(key_row), v, gates) ** 2).sum()
+
+    def ours(q, k, v, gates):
+        return attention(q, k, v, platform="xla", **{f"g_{n}": g for n, g in zip(names, gates)})
+
+    got = jax.hessian(loss_of(ours, *map(jnp.asarray, (q, k, v, gates))))(jnp.asarray(k[0, row, 0]))
+    chosen = np.asarray(next(iter(attention.selections(q, k, v, platform="xla").values())))
+    dense = dense_nsa_output(spec, names, chosen, batch, seq_len, scale=dim**-0.5)
+    with jax.enable_x64(True):
+        q64, k64, v64, gates64 = jax.tree.map(lambda x: jnp.asarray(x, jnp.float64), (q, k, v, gates))
+        expected = np.asarray(jax.hessian(loss_of(dense, q64, k64, v64, gates64))(k64[0, row, 0]))
+    assert_close(np.asarray(got), expected, 1e-3, "hessian in a key row")
+
+
 @pytest.mark.parametrize("pattern", ["window", "nsa"])
 def test_xla_reverse_over_reverse_matches_the_reference(rng, pattern):
     """grad of grad, as a gradient penalty takes it (the squared norm of a loss's gradient in q, k

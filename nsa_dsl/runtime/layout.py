@@ -479,6 +479,11 @@ def _pooled_tokens(offsets, cmp_offsets, first, count: int, block: int, stride: 
     return first_tokens[:, None] + jnp.arange(block, dtype=jnp.int32)
 
 
+def _gathered_blocks(k, v, offsets, cmp_offsets, first, count: int, block: int, stride: int):
+    tokens = _pooled_tokens(offsets, cmp_offsets, first, count, block, stride)
+    return tuple(jnp.take(x, tokens, axis=0, mode="clip").astype(jnp.float32) for x in (k, v))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
 def pooled_blocks(k, v, offsets, cmp_offsets, first, count: int, block: int, stride: int):
     """The tokens compressed rows [first, first + count) pool: [count, block, HKV, D] float32 of
@@ -486,14 +491,15 @@ def pooled_blocks(k, v, offsets, cmp_offsets, first, count: int, block: int, str
     Its gradient gathers rather than scatter-adds: with stride < block a key row is pooled by up to
     ceil(block / stride) compressed rows, and XLA's scatter-add sums such repeats with atomics on a
     GPU, in an order that changes from run to run; each key row sums its own in a fixed order."""
-    tokens = _pooled_tokens(offsets, cmp_offsets, first, count, block, stride)
-    return tuple(jnp.take(x, tokens, axis=0, mode="clip").astype(jnp.float32) for x in (k, v))
+    return _gathered_blocks(k, v, offsets, cmp_offsets, first, count, block, stride)
 
 
 def _pooled_blocks_forward(k, v, offsets, cmp_offsets, first, count, block, stride):
     key_rows = jnp.zeros((k.shape[0], 0), k.dtype)  # the gradient's rows and dtype, holding nothing
     residuals = (key_rows, offsets, cmp_offsets, first)
-    return pooled_blocks(k, v, offsets, cmp_offsets, first, count, block, stride), residuals
+    # the plain gather, not pooled_blocks: a second derivative (jax.hessian) runs this rule in
+    # forward mode, which a custom_vjp function refuses
+    return _gathered_blocks(k, v, offsets, cmp_offsets, first, count, block, stride), residuals
 
 
 def _pooled_blocks_backward(count, block, stride, residuals, d_blocks):
