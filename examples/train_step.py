@@ -70,7 +70,7 @@ def layer_norm(x: jax.Array) -> jax.Array:
 
 def logits_of(params: dict, tokens: jax.Array, attention: nsa_dsl.SparseAttention) -> jax.Array:
     batch, seq_len = tokens.shape
-    x = params["embed"][tokens] + params["position"][:seq_len]
+    x = params["embed"][tokens] + params["position"][None, :seq_len]
     h = layer_norm(x)
     q = (h @ params["wq"]).reshape(batch, seq_len, HEADS_Q, HEAD_DIM)
     k = (h @ params["wk"]).reshape(batch, seq_len, HEADS_KV, HEAD_DIM)

@@ -147,6 +147,34 @@ def test_xla_reverse_over_reverse_matches_the_reference(rng, pattern):
 
 
 @pytest.mark.parametrize("platform", ["xla", "triton", "pallas"])
+def test_a_caller_refusing_rank_promotion_gets_what_everyone_gets(rng, platform):
+    """jax_numpy_rank_promotion="raise" catches implicit broadcasting in a caller's model code; the
+    library broadcasts so itself, and failed under it on every platform (the compression's pooling,
+    the XLA kernels, their custom_vjp rules, which JAX traces after the call has returned). Now
+    outputs and gradients, packed sequences and explicit selections included, equal the default's."""
+    text, _ = small_example("nsa")
+    attention = nsa_dsl.compile(text)
+    q, k, v = (jnp.asarray(x) for x in qkv(rng, 1, 45, 4, 2, 12))
+    gates = {g.name: jnp.asarray(gate(rng, 1, 45, 4)) for g in attention.plan.gates}
+    indices = jnp.asarray(random_indices(rng, 1, 45, 2, 3, 16), jnp.int32)
+    cu_seqlens = jnp.asarray([0, 17, 45], jnp.int32)
+
+    def results():
+        def loss(q, k, v):
+            packed = attention(q, k, v, cu_seqlens=cu_seqlens, platform=platform, **gates)
+            chosen = nsa_dsl.native_sparse_attention(q, k, v, None, gates["g_slc"], indices, 2, platform=platform)
+            return (packed * chosen).sum(), (packed, chosen)
+
+        return jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+
+    expected = results()
+    with jax.numpy_rank_promotion("raise"):
+        got = results()
+    for actual, wanted in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+        np.testing.assert_array_equal(np.asarray(actual), np.asarray(wanted))
+
+
+@pytest.mark.parametrize("platform", ["xla", "triton", "pallas"])
 def test_vmap_and_checkpoint_give_what_the_plain_calls_give(rng, platform):
     """An ensemble axis in front of the batch (vmap: stacked models, per-example losses), and
     jax.checkpoint recomputing the forward in the backward: outputs and gradients equal those of

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 
 from ..plan import plan as p
 from . import layout, validate
+from .promotion import allowing_rank_promotion
 
 # Building a cache pools its rows in windows whose gathered key and value blocks (float32) take at most
 # this many bytes: all at once, a million tokens of 8 sequences would gather 32 GiB.
@@ -169,6 +170,7 @@ def _updated_rows(count: int, block: int, stride: int, num_seqs: int, rows: int)
     return min(rows, (count + pieces * (block - 2)) // stride + pieces)
 
 
+@allowing_rank_promotion
 def pool(
     plan: p.Plan,
     key,

@@ -15,6 +15,8 @@ from collections.abc import Callable
 
 import jax
 
+from .promotion import allowing_rank_promotion
+
 
 class SecondDerivativeError(NotImplementedError):
     """A custom_vjp rule of the Triton or Pallas kernels was differentiated."""
@@ -27,6 +29,8 @@ def first_order(platform: str, forward: Callable, backward: Callable) -> tuple[C
 
 
 def _undifferentiable(platform: str, rule: Callable) -> Callable:
+    rule = allowing_rank_promotion(rule)
+
     @functools.wraps(rule)
     def wrapped(*arguments):
         leaves, tree = jax.tree.flatten(arguments)

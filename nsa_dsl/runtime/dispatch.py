@@ -17,6 +17,7 @@ from ..config import NativeSparseAttentionConfig
 from ..plan import build_block_table
 from ..plan import plan as p
 from . import batching, compressed_cache, jax_cache, validate
+from .promotion import allowing_rank_promotion
 from .platform import PlatformLimitError, available_platforms, for_device, resolve_platform
 
 # Branch kinds each platform's templates implement (Pallas: its GPU and its TPU variant alike).
@@ -159,6 +160,7 @@ def use_compilation_cache() -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
+@allowing_rank_promotion
 def selections(
     plan: p.Plan,
     query,
@@ -322,6 +324,7 @@ def inputs(
     return Inputs(query, key, value, shapes, given, cu, scale, block_indices, block_counts)
 
 
+@allowing_rank_promotion
 def attend(
     plan: p.Plan,
     query,

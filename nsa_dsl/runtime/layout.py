@@ -22,6 +22,7 @@ import numpy as np
 from jax import lax
 
 from ..plan.plan import StaticKeys
+from .promotion import allowing_rank_promotion
 
 
 def matmul_precision(dtype) -> lax.Precision:
@@ -302,7 +303,7 @@ def clean_selection(block_indices, block_counts, row_info: Rows, block: int) -> 
     entry names a block holding at least one key its row sees."""
     entry = jnp.arange(block_indices.shape[-1])
     last_block = jnp.where(row_info.pos >= 0, row_info.pos // block, -1)
-    used = (entry < block_counts[..., None]) & (block_indices >= 0) & (block_indices <= last_block[:, None, None])
+    used = (entry[None, None, :] < block_counts[..., None]) & (block_indices >= 0) & (block_indices <= last_block[:, None, None])
     repeated = jnp.any(
         (block_indices[..., :, None] == block_indices[..., None, :]) & (entry[:, None] > entry[None, :]), axis=-1
     )
@@ -476,7 +477,7 @@ def pooled_first_tokens(offsets, cmp_offsets, first, count: int, stride: int) ->
 def _pooled_tokens(offsets, cmp_offsets, first, count: int, block: int, stride: int) -> jax.Array:
     """[count, block] int32: the key rows that compressed rows [first, first + count) pool."""
     first_tokens = pooled_first_tokens(offsets, cmp_offsets, first, count, stride)
-    return first_tokens[:, None] + jnp.arange(block, dtype=jnp.int32)
+    return first_tokens[:, None] + jnp.arange(block, dtype=jnp.int32)[None, :]
 
 
 def _gathered_blocks(k, v, offsets, cmp_offsets, first, count: int, block: int, stride: int):
@@ -523,7 +524,7 @@ def _pooled_blocks_backward(count, block, stride, residuals, d_blocks):
     return d_k, d_v, None, None, None
 
 
-pooled_blocks.defvjp(_pooled_blocks_forward, _pooled_blocks_backward)
+pooled_blocks.defvjp(allowing_rank_promotion(_pooled_blocks_forward), allowing_rank_promotion(_pooled_blocks_backward))
 
 
 def pool_compressed(

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import layout
+from .promotion import allowing_rank_promotion
 
 # ---- gathered attention: the machinery every branch kind shares ------------------------------
 #
@@ -191,7 +192,7 @@ def query_tiles(cu_seqlens, frame):
         "start": starts[seq],
         "length": lengths[seq],
         "q_block": q_first // frame.block,
-        "q_pos": q_first[:, None] + jnp.arange(rows),
+        "q_pos": q_first[:, None] + jnp.arange(rows)[None, :],
         "q_lo": q_lo[seq],
         "q_hi": q_hi[seq],
         "valid": tile < first_tile[-1],
@@ -402,6 +403,7 @@ def _transposable_when_differentiated(rule):
     The rules keep their while loops otherwise: the static trip count, with a lax.cond in every step,
     made the forward and backward ~1.3-1.6x slower on an H100 (a conditional's predicate is read on
     the host), though not on a CPU."""
+    rule = allowing_rank_promotion(rule)
 
     @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
     def rule_with_while_loops(sched, *arguments):
