@@ -186,7 +186,9 @@ def table_statistics(plan: p.Plan, static: p.StaticKeys, seq_len: int) -> str:
 
 
 def summary(plan: p.Plan, seq_len: int, *, show_plan: bool = False) -> str:
-    params = ", ".join(f"{name}={value}" for name, value in plan.params) or "none"
+    # values in the language's spelling: true/false, not Python's True/False
+    shown = (f"{name}={str(value).lower() if isinstance(value, bool) else value}" for name, value in plan.params)
+    params = ", ".join(shown) or "none"
     lines = [
         f"pattern {plan.name}: block {plan.block_size}, {'causal' if plan.causal else 'bidirectional'}, params {params}"
     ]

@@ -149,6 +149,10 @@ def test_define_overrides_a_param(source_file: Path, tmp_path: Path, capsys) -> 
     # window(256) reaches four previous blocks: rows see 1, 2, 3, 4, then 5 (70 of 136 tiles);
     # up to three tiles per row below the diagonal are full (0+1+2+3*13 = 42).
     assert "params window=256" in printed
+    flagged = tmp_path / "flagged.nsa"
+    flagged.write_text("pattern flagged\nblock 16\nparam wide = false\nbranch w = window(8) | window(64) if wide\n")
+    assert cli.main([str(flagged), "-D", "wide=true", "-o", str(tmp_path / "flagged")]) == 0
+    assert "params wide=true" in capsys.readouterr().out  # the language's spelling, not Python's True
     assert "4.4 key blocks per query row (max 5), density 51.47% of causal tiles, 60% of visited tiles full" in printed
     assert [p.name for p in tmp_path.glob("*_xla.py")] == ["sliding_xla.py"]
     assert "window = 256" in (tmp_path / "sliding_xla.py").read_text()
