@@ -193,9 +193,11 @@ def block_outer_forward(monkeypatch):
         return module
 
     monkeypatch.setattr(codegen, "load_module", loading)
+    dispatch.generated_module.cache_clear()
     dispatch.kernel.cache_clear()
     jax.clear_caches()
     yield
+    dispatch.generated_module.cache_clear()  # nor a module holding them
     dispatch.kernel.cache_clear()  # no later test may reuse a kernel traced with these constants
     jax.clear_caches()
 

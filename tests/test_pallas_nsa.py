@@ -178,10 +178,12 @@ def pallas_constants(monkeypatch):
             return module
 
         monkeypatch.setattr(codegen, "load_module", loading)
+        dispatch.generated_module.cache_clear()
         dispatch.kernel.cache_clear()
         jax.clear_caches()
 
     yield set_constants
+    dispatch.generated_module.cache_clear()
     dispatch.kernel.cache_clear()
     jax.clear_caches()
     assert patched, "the test loaded no Pallas module to patch"

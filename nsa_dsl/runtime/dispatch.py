@@ -118,12 +118,19 @@ def _nothing_forced(block: int, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 @functools.lru_cache(maxsize=None)
+def generated_module(platform: str, plan: p.Plan, config: NativeSparseAttentionConfig | None):
+    """The generated module of (platform, plan, config), looked up once: finding it computes its
+    cache key, which reads every template (~10 ms a call that looked it up each time)."""
+    return codegen.load_module(platform, plan, for_device(config))
+
+
+@functools.lru_cache(maxsize=None)
 def kernel(
     platform: str, plan: p.Plan, config: NativeSparseAttentionConfig | None, entry: str = "attention"
 ) -> Callable:
     """The generated module's jitted `entry` function for (platform, plan, config)."""
     check_supported(plan, platform)
-    return jax.jit(getattr(codegen.load_module(platform, plan, for_device(config)), entry))
+    return jax.jit(getattr(generated_module(platform, plan, config), entry))
 
 
 def use_compilation_cache() -> None:
@@ -253,14 +260,7 @@ def kernel_tables(platform: str, plan: p.Plan, config, seq_len: int) -> dict[str
     """The host tables the platform's generated kernels read (the module's TABLES): a Triton
     kernel computing a branch's key ranges needs no table, which for `causal` at a million
     tokens would hold 16384^2 entries."""
-    return branch_tables(plan, seq_len, _tables_read(platform, plan, config))
-
-
-@functools.lru_cache(maxsize=None)
-def _tables_read(platform: str, plan: p.Plan, config: NativeSparseAttentionConfig | None) -> tuple[str, ...]:
-    """The generated module's TABLES, looked up once per (platform, plan, config) as `kernel` is:
-    finding the module computes its cache key, which reads every template."""
-    return codegen.load_module(platform, plan, for_device(config)).TABLES
+    return branch_tables(plan, seq_len, generated_module(platform, plan, config).TABLES)
 
 
 def entry(
@@ -275,7 +275,7 @@ def entry(
     if not given:
         return kernel(platform, plan, config, name)
     check_supported(plan, platform)
-    return functools.partial(getattr(codegen.load_module(platform, plan, for_device(config)), name), pool_fns=given)
+    return functools.partial(getattr(generated_module(platform, plan, config), name), pool_fns=given)
 
 
 class Inputs(NamedTuple):
