@@ -538,7 +538,7 @@ def selection_scores(q, k_cmp, count, q_pos, length, cmp_block, cmp_stride, sel_
     # as a product with the heads' 1 / sums. Normalising and then reducing the group axis ran ~7-11x
     # slower per tile on XLA:CPU (a middle axis; at 32k tokens the top-k's scores took 1.17 s).
     inverse_sums = 1.0 / jnp.maximum(e.sum(axis=-1), 1e-30)
-    p = jnp.einsum("chrgm,chrg->chrm", e, inverse_sums, precision=lax.Precision.HIGHEST)
+    p = jnp.einsum("chrgm,chrg->chrm", e, inverse_sums, precision=precision)
     # Compressed block i covers the d-token units i .. i + l/d - 1; selection block j the units
     # j*l'/d .. (j+1)*l'/d - 1.
     per_unit = cmp_block // cmp_stride
