@@ -303,7 +303,7 @@ def clean_selection(block_indices, block_counts, row_info: Rows, block: int) -> 
     entry names a block holding at least one key its row sees."""
     entry = jnp.arange(block_indices.shape[-1])
     last_block = jnp.where(row_info.pos >= 0, row_info.pos // block, -1)
-    used = (entry[None, None, :] < block_counts[..., None]) & (block_indices >= 0) & (block_indices <= last_block[:, None, None])
+    used = (entry < block_counts[..., None]) & (block_indices >= 0) & (block_indices <= last_block[:, None, None])
     repeated = jnp.any(
         (block_indices[..., :, None] == block_indices[..., None, :]) & (entry[:, None] > entry[None, :]), axis=-1
     )
@@ -477,7 +477,7 @@ def pooled_first_tokens(offsets, cmp_offsets, first, count: int, stride: int) ->
 def _pooled_tokens(offsets, cmp_offsets, first, count: int, block: int, stride: int) -> jax.Array:
     """[count, block] int32: the key rows that compressed rows [first, first + count) pool."""
     first_tokens = pooled_first_tokens(offsets, cmp_offsets, first, count, stride)
-    return first_tokens[:, None] + jnp.arange(block, dtype=jnp.int32)[None, :]
+    return first_tokens[:, None] + jnp.arange(block, dtype=jnp.int32)
 
 
 def _gathered_blocks(k, v, offsets, cmp_offsets, first, count: int, block: int, stride: int):

@@ -192,7 +192,7 @@ def query_tiles(cu_seqlens, frame):
         "start": starts[seq],
         "length": lengths[seq],
         "q_block": q_first // frame.block,
-        "q_pos": q_first[:, None] + jnp.arange(rows)[None, :],
+        "q_pos": q_first[:, None] + jnp.arange(rows),
         "q_lo": q_lo[seq],
         "q_hi": q_hi[seq],
         "valid": tile < first_tile[-1],
