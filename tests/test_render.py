@@ -246,31 +246,12 @@ def _names_read_but_never_bound(text: str) -> set[str]:
     return read - bound
 
 
-@pytest.mark.parametrize("backend", ["xla", "triton", "pallas", "tpu"])
-def test_every_name_a_rendered_module_reads_is_defined(backend: str) -> None:
-    """A template included for one feature emitted a function that called a name only another
-    feature's template defines (nsa_meanpool's Triton module read range_attention, defined for
-    static branches): dead there, a NameError wherever it would run."""
+def _rendered_modules(backend: str) -> Iterator[tuple[str, str]]:
+    """(plan name, module text) on `backend` ("tpu": Pallas' TPU variant) of every example's
+    patterns, native_sparse_attention's two plans and plan shapes the examples lack."""
     from nsa_dsl.config import NativeSparseAttentionConfig
-    from nsa_dsl.plan import lower
-
-    config = NativeSparseAttentionConfig(backend="tpu" if backend == "tpu" else "gpu")
-    platform = "pallas" if backend == "tpu" else backend
-    for path in sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.nsa")):
-        for pattern in dsl.load(path):
-            text = cache._render_module(platform, lower(pattern), config)
-            assert _names_read_but_never_bound(text) == set(), (path.name, pattern.name)
-
-
-@pytest.mark.parametrize("backend", ["xla", "triton", "pallas", "tpu"])
-def test_a_rendered_module_holds_only_code_its_entries_reach(backend: str) -> None:
-    """A kernel should read as one written for its pattern: nsa_meanpool's Triton module carried the
-    Hopper window kernels (~500 lines) for a pattern without a window, bigbird's the range walks
-    of patterns whose branches all walk tables."""
-    from nsa_dsl.config import NativeSparseAttentionConfig
-    from nsa_dsl.plan import lower
-
     from nsa_dsl.kernel import compressed_selection_plan, selection_plan
+    from nsa_dsl.plan import lower
 
     config = NativeSparseAttentionConfig(backend="tpu" if backend == "tpu" else "gpu")
     platform = "pallas" if backend == "tpu" else backend
@@ -284,5 +265,23 @@ def test_a_rendered_module_holds_only_code_its_entries_reach(backend: str) -> No
         "bidirectional\nbranch w = window(64, 64)",
         "branch c = compress(block=64, pool=learned)\nbranch s = topk(8, score=c) per block(64)",
     )]
-    for plan in plans:
-        assert _unreachable_definitions(cache._render_module(platform, plan, config)) == set(), plan.name
+    for lowered in plans:
+        yield lowered.name, cache._render_module(platform, lowered, config)
+
+
+@pytest.mark.parametrize("backend", ["xla", "triton", "pallas", "tpu"])
+def test_every_name_a_rendered_module_reads_is_defined(backend: str) -> None:
+    """A template included for one feature emitted a function that called a name only another
+    feature's template defines (nsa_meanpool's Triton module read range_attention, defined for
+    static branches): dead there, a NameError wherever it would run."""
+    for name, text in _rendered_modules(backend):
+        assert _names_read_but_never_bound(text) == set(), name
+
+
+@pytest.mark.parametrize("backend", ["xla", "triton", "pallas", "tpu"])
+def test_a_rendered_module_holds_only_code_its_entries_reach(backend: str) -> None:
+    """A kernel should read as one written for its pattern: nsa_meanpool's Triton module carried the
+    Hopper window kernels (~500 lines) for a pattern without a window, bigbird's the range walks
+    of patterns whose branches all walk tables."""
+    for name, text in _rendered_modules(backend):
+        assert _unreachable_definitions(text) == set(), name
