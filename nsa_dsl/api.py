@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import jax
+
 from . import codegen, dsl
 from .config import PLATFORMS, NativeSparseAttentionConfig
 from .dsl import model
@@ -21,6 +23,7 @@ from .runtime import (
 )
 from .runtime.check import CheckReport, check_pattern
 from .runtime.platform import for_device, has_generator
+from .sharding import ShardedAttention, following_placement, on_explicit_axes
 
 __all__ = [
     "CheckReport",
@@ -124,9 +127,13 @@ class SparseAttention:
         {branch name: [B, Tq, HKV, min(count, ceil(T / block))] block ids of the branch's block size,
         -1 unused};
         query_offset, scoring_query and compressed as for calls."""
+        decoding = {"query_offset": query_offset, "scoring_query": scoring_query, "compressed": compressed}
+        layer = following_placement(self.plan, self.config, query, key, value, given=decoding)
+        if layer is not None:
+            return layer.selections(query, key, value, cu_seqlens=cu_seqlens, softmax_scale=softmax_scale,
+                                    platform=platform, pool_fns=pool_fns)
         return selections(self.plan, query, key, value, cu_seqlens=cu_seqlens, softmax_scale=softmax_scale,
-                          platform=platform, config=self.config, pool_fns=pool_fns, query_offset=query_offset,
-                          scoring_query=scoring_query, compressed=compressed)
+                          platform=platform, config=self.config, pool_fns=pool_fns, **decoding)
 
     def compress(self, key, value, *, cu_seqlens=None, pool_fns=None, cache=None, new_rows=None):
         """The compressed keys and values of this pattern's compress branches for key/value
@@ -139,7 +146,13 @@ class SparseAttention:
         After writing key rows [first, first + count) of the cache, `compress(key, value,
         cache=cache, new_rows=(first, count))` recomputes only the compressed keys that pool them
         (first may be traced, and may be one per batch row [B]; count is static): O(count) work,
-        jit- and scan-friendly."""
+        jit- and scan-friendly. Keys sharded along Explicit mesh axes are refused: pool them inside
+        your own jax.shard_map (batch and head sharding need no communication)."""
+        if on_explicit_axes(key, value, *jax.tree.leaves(cache)):
+            raise ValueError(
+                "key: compress takes keys and values that are not sharded along Explicit mesh axes; with the batch or "
+                "the heads sharded, call it inside your own jax.shard_map (each device pools its own rows and heads)"
+            )
         return compressed_cache.pool(self.plan, key, value, cu_seqlens=cu_seqlens, pool_fns=pool_fns, cache=cache,
                                      new_rows=new_rows)
 
@@ -149,8 +162,6 @@ class SparseAttention:
         query heads) and the sequence (context parallel: keys and values all-gathered, queries
         at their absolute rows) sharded along the named mesh axes; `.per_shard` is the same
         inside your own shard_map. mesh=None: the one set with jax.set_mesh."""
-        from .sharding import ShardedAttention
-
         return ShardedAttention(self.plan, self.config, mesh, batch_axis, head_axis, sequence_axis)
 
     def __call__(
@@ -187,8 +198,17 @@ class SparseAttention:
         an int32 scalar, or one per batch row (an integer [B] array: sequences decoded at positions
         of their own, as continuous batching does), may be traced. For a top-k per block(Q) they must be whole blocks of
         the pattern, and on packed sequences `scoring_query` [B, T, HQ, D] every query.
-        `compressed`: the keys' compressed cache (see `compress`), for decoding steps."""
+        `compressed`: the keys' compressed cache (see `compress`), for decoding steps.
+
+        Arrays sharded along Explicit mesh axes (under jax.set_mesh) run where they lie: the call
+        is `sharded(...)` along the query's batch, sequence and head axes."""
         gates = {"g_cmp": g_cmp, "g_slc": g_slc, "g_swa": g_swa, **extra_gates}
+        decoding = {"query_offset": query_offset, "scoring_query": scoring_query, "compressed": compressed}
+        layer = following_placement(self.plan, self.config, query, key, value, *gates.values(), block_indices,
+                                    block_counts, given=decoding)
+        if layer is not None:
+            return layer(query, key, value, cu_seqlens=cu_seqlens, softmax_scale=softmax_scale, platform=platform,
+                         block_indices=block_indices, block_counts=block_counts, pool_fns=pool_fns, **gates)
         return attend(
             self.plan,
             query,
@@ -202,9 +222,7 @@ class SparseAttention:
             platform=platform,
             config=self.config,
             pool_fns=pool_fns,
-            query_offset=query_offset,
-            scoring_query=scoring_query,
-            compressed=compressed,
+            **decoding,
         )
 
 

@@ -41,6 +41,7 @@ from .plan import lower_keys
 from .plan import plan as p
 from .runtime import attend, choose_platform, resolve_platform, validate
 from .runtime.triton_glue import next_power_of_two
+from .sharding import following_placement
 
 Cfg = TypeVar("Cfg")
 Out = TypeVar("Out")
@@ -453,15 +454,18 @@ class NativeSparseAttention(Kernel[NativeSparseAttentionConfig, jax.Array]):
         """nsa_dsl.native_sparse_attention with configuration `cfg`; `platform` (None, "auto",
         "xla", "triton", "pallas") takes precedence over cfg.platform."""
         plan = nsa_plan(cfg.block_size, g_cmp, block_indices, block_counts)
+        if g_cmp is not None and block_indices is not None:
+            _warn_at_caller("native_sparse_attention: block_indices are ignored when g_cmp is given (top-k selects the blocks)")
+        selection = {} if g_cmp is not None else {"block_indices": block_indices, "block_counts": block_counts}
+        layer = following_placement(plan, cfg, query, key, value, g_cmp, g_slc, *selection.values(), given={})
+        if layer is not None:
+            return layer(query, key, value, g_cmp=g_cmp, g_slc=g_slc, cu_seqlens=cu_seqlens,
+                         softmax_scale=softmax_scale, platform=platform, **selection)
         platform = choose_platform(plan, platform, cfg)
         impl = self.get_impl(dataclasses.replace(cfg, platform=platform))
-        if g_cmp is not None:
-            if block_indices is not None:
-                _warn_at_caller("native_sparse_attention: block_indices are ignored when g_cmp is given (top-k selects the blocks)")
-            return impl(plan, query, key, value, gates={"g_cmp": g_cmp, "g_slc": g_slc}, cu_seqlens=cu_seqlens,
-                        softmax_scale=softmax_scale, config=cfg)
-        return impl(plan, query, key, value, gates={"g_slc": g_slc}, cu_seqlens=cu_seqlens, softmax_scale=softmax_scale,
-                    block_indices=block_indices, block_counts=block_counts, config=cfg)
+        gates = {"g_slc": g_slc} if g_cmp is None else {"g_cmp": g_cmp, "g_slc": g_slc}
+        return impl(plan, query, key, value, gates=gates, cu_seqlens=cu_seqlens, softmax_scale=softmax_scale, config=cfg,
+                    **selection)
 
     # -- what an invocation runs ----------------------------------------------------------------
 

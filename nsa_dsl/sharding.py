@@ -48,7 +48,10 @@ from .runtime import dispatch, validate
 
 AxisName = str | tuple[str, ...] | None
 
-__all__ = ["AxisName", "ShardedAttention", "attend_shard", "selections_shard", "sharded_native_sparse_attention"]
+__all__ = [
+    "AxisName", "ShardedAttention", "attend_shard", "following_placement", "on_explicit_axes", "selections_shard",
+    "sharded_native_sparse_attention",
+]
 
 
 def attend_shard(plan: p.Plan, query, key, value, *, sequence_axis: AxisName = None, **options):
@@ -92,18 +95,59 @@ def _whole_sequence(plan: p.Plan, query, key, value, sequence_axis: AxisName, op
 _DECODING_ARGUMENTS = ("query_offset", "scoring_query", "compressed")
 
 
-def _refuse_decoding_arguments(given: Mapping[str, object]) -> None:
+_WHOLE_SEQUENCES = "a ShardedAttention attends whole sequences (context parallelism places each shard's queries itself)"
+
+
+def _refuse_decoding_arguments(given: Mapping[str, object], why: str = _WHOLE_SEQUENCES) -> None:
     for name in _DECODING_ARGUMENTS:
         if given.get(name) is not None:
             raise ValueError(
-                f"{name}: a ShardedAttention attends whole sequences (context parallelism places each shard's "
-                f"queries itself); to decode against a cache with the batch or the heads sharded, call the "
+                f"{name}: {why}; to decode against a cache with the batch or the heads sharded, call the "
                 f"SparseAttention with {name}= inside your own jax.shard_map (it needs no communication)"
             )
 
 
 def _names(axis: AxisName) -> tuple[str, ...]:
     return () if axis is None else (axis,) if isinstance(axis, str) else tuple(axis)
+
+
+def _explicit_spec(array) -> tuple[object, tuple[AxisName, ...]] | None:
+    """(mesh, the Explicit mesh axes of each dimension) of an array typed with a sharding along
+    Explicit axes; None for any other value (Auto or Manual axes, a replicated array, a number)."""
+    if not isinstance(array, jax.Array):  # tracers included
+        return None
+    sharding = getattr(jax.typeof(array), "sharding", None)
+    if not isinstance(sharding, NamedSharding):
+        return None
+    mesh = sharding.mesh
+    explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit}
+    spec = tuple(tuple(n for n in _names(axis) if n in explicit) or None for axis in sharding.spec)
+    return (mesh, spec) if any(spec) else None
+
+
+def on_explicit_axes(*arrays) -> bool:
+    """Whether any of `arrays` is sharded along Explicit mesh axes."""
+    return any(_explicit_spec(x) is not None for x in arrays)
+
+
+def following_placement(plan: p.Plan, config: NativeSparseAttentionConfig | None, query, *others, given: Mapping[str, object]):
+    """The ShardedAttention that runs a call where its arrays lie, when any of them (the query or
+    `others`) is sharded along Explicit mesh axes (jax.make_mesh's default, under jax.set_mesh):
+    its batch, sequence and heads shard as the query's are (the others are moved to match;
+    a sharded sequence is context parallel). None for every other call, which runs as given.
+
+    Plain calls cannot take such arrays: JAX refuses the kernels' data-dependent gathers and
+    reshapes on them (ShardingTypeError), and a mesh whose axes are Auto leaves the partitioning
+    to XLA, which replicates the work (see the README's shard_map section). `given`: the call's
+    other arguments by name, so that those a ShardedAttention has no place for are refused."""
+    found = [s for s in map(_explicit_spec, (query, *others)) if s is not None]
+    if not found:
+        return None
+    _refuse_decoding_arguments(given, "this call's arrays are sharded along Explicit mesh axes, so it runs in "
+                                      "jax.shard_map over whole sequences")
+    mesh, spec = found[0]  # the query's, where it is sharded; JAX puts every argument of a call on one mesh
+    batch, sequence, heads = (*spec, None, None, None)[:3] if _explicit_spec(query) is not None else (None,) * 3
+    return ShardedAttention(plan, config, mesh, batch_axis=batch, head_axis=heads, sequence_axis=sequence)
 
 
 @dataclass(frozen=True)

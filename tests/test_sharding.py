@@ -30,6 +30,7 @@ import pytest
 import reference
 from conftest import FORWARD_TOLERANCE, GRADIENT_TOLERANCE, assert_close, child_env, gate, normal, qkv, random_indices
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from nsa_reference import NsaSpec, nsa_gradients, nsa_reference, small_example
 
 import nsa_dsl
@@ -318,6 +319,52 @@ def test_decoding_arguments_are_refused_by_name(rng):
                 with pytest.raises(ValueError, match=rf"^{name}: a ShardedAttention attends whole sequences.*shard_map"):
                     call(q[:, rows], k, v, **{name: value}, **given_gates)
 
+
+
+def explicit_mesh(**axes: int) -> jax.sharding.Mesh:
+    """mesh(**axes) with Explicit axes (jax.make_mesh's default): arrays' types carry their sharding."""
+    return jax.make_mesh(tuple(axes.values()), tuple(axes), axis_types=(jax.sharding.AxisType.Explicit,) * len(axes),
+                         devices=jax.devices()[:int(np.prod(list(axes.values())))])
+
+
+@in_worker
+def test_arrays_on_explicit_axes_run_where_they_lie(rng):
+    """Plain calls of arrays sharded along Explicit mesh axes (which JAX refused inside the kernels'
+    gathers: ShardingTypeError) run as a ShardedAttention along the query's batch, sequence and
+    head axes: each device computes its own shard (the output and gradients keep the query's
+    sharding), with the single-device output and gradients; top-k selections and ejkernel's API
+    alike. Keys placed otherwise than the query are moved to it; compress and the decoding
+    arguments are refused by name."""
+    attention, _ = scaled_nsa()
+    batch, seq_len, heads_q, heads_kv, head_dim = 2, 64, 4, 2, 16
+    q, k, v = qkv(rng, batch, seq_len, heads_q, heads_kv, head_dim)
+    gates, d_out = nsa_gates(rng, batch, seq_len, heads_q), normal(rng, batch, seq_len, heads_q, head_dim)
+    single = forward_and_gradients(attention, q, k, v, gates, d_out)
+    picked = attention.selections(q, k, v)
+    def native(q, k, v, g_cmp, g_slc):  # NSA as ejkernel configures it: top-3 blocks of 16 (positional arguments)
+        return nsa_dsl.native_sparse_attention(q, k, v, g_cmp, g_slc, None, 3, cfg=nsa_dsl.NativeSparseAttentionConfig(block_size=BLOCK))
+
+    native_single = native(q, k, v, gates["g_cmp"], gates["g_slc"])
+    devices = explicit_mesh(dp=2, tp=2)
+    for query_spec, key_spec in ((P("dp", None, "tp"), P("dp", None, "tp")), (P(None, "tp"), P("dp")),
+                                 (P(), P(None, None, "tp"))):
+        put = functools.partial(jax.device_put, device=NamedSharding(devices, query_spec))
+        with jax.set_mesh(devices):
+            q_on, d_out_on = put(q), put(d_out)
+            k_on, v_on = (jax.device_put(x, NamedSharding(devices, key_spec)) for x in (k, v))
+            gates_on = {n: jax.device_put(g, NamedSharding(devices, P(*query_spec[:3]))) for n, g in gates.items()}
+            result = forward_and_gradients(attention, q_on, k_on, v_on, gates_on, d_out_on)
+            for name in ("output", "dq"):
+                assert result[name].sharding.spec == P(*query_spec, *[None] * (4 - len(query_spec))), (query_spec, name)
+            assert_same(result, single, f"query {query_spec}, keys {key_spec}")
+            chosen = attention.selections(q_on, k_on, v_on)
+            assert all(np.array_equal(chosen[n], picked[n]) for n in picked), query_spec
+            assert_close(jax.jit(native)(q_on, k_on, v_on, gates_on["g_cmp"], gates_on["g_slc"]), native_single,
+                         SHARDED_TOLERANCE, f"native_sparse_attention, query {query_spec}")
+            with pytest.raises(ValueError, match="^key: compress takes keys.*not sharded along Explicit mesh axes"):
+                attention.compress(k_on, v_on)
+            with pytest.raises(ValueError, match="^query_offset: this call's arrays are sharded along Explicit mesh axes"):
+                attention(q[:, 7:8], k_on, v_on, query_offset=7, **{n: g[:, 7:8] for n, g in gates.items()})
 
 
 @in_worker
