@@ -119,10 +119,14 @@ def _explicit_spec(array) -> tuple[object, tuple[AxisName, ...]] | None:
     sharding = getattr(jax.typeof(array), "sharding", None)
     if not isinstance(sharding, NamedSharding):
         return None
-    mesh = sharding.mesh
+    spec = _explicit_axes(sharding.mesh, sharding.spec)
+    return (sharding.mesh, spec) if any(spec) else None
+
+
+def _explicit_axes(mesh, spec) -> tuple[AxisName, ...]:
+    """Each dimension's axes of `spec` that are Explicit in `mesh` (None where there are none)."""
     explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit}
-    spec = tuple(tuple(n for n in _names(axis) if n in explicit) or None for axis in sharding.spec)
-    return (mesh, spec) if any(spec) else None
+    return tuple(tuple(n for n in _names(axis) if n in explicit) or None for axis in spec)
 
 
 def on_explicit_axes(*arrays) -> bool:
@@ -349,14 +353,12 @@ class ShardedAttention:
         # carry input and output got mismatched varying manual axes"): its kernels run unchecked.
         mapped = jax.shard_map(per_device, mesh=mesh, in_specs=(in_specs,), out_specs=out_specs,
                                check_vma=platform != "pallas")
-        explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit}
-        if not explicit:
+        if AxisType.Explicit not in mesh.axis_types:
             return mapped  # shard_map moves inputs of Auto axes where in_specs say
 
         def placed(args):  # arguments on Explicit axes must already be where in_specs say
             def move(x, spec):
-                kept = [tuple(n for n in _names(axis) if n in explicit) or None for axis in spec]
-                return jax.sharding.reshard(x, NamedSharding(mesh, P(*kept)))
+                return jax.sharding.reshard(x, NamedSharding(mesh, P(*_explicit_axes(mesh, spec))))
 
             moved = jax.tree.map(lambda spec, arg: jax.tree.map(lambda x: move(x, spec), arg), in_specs, args,
                                  is_leaf=lambda x: isinstance(x, P))
